@@ -1,0 +1,1 @@
+"""Alembic migrations; `trainjobs db upgrade` runs them (service/migrate.py)."""

@@ -1,0 +1,132 @@
+"""Job operations on the database: create, read, list and compare-and-set transitions."""
+
+import hashlib
+import json
+import secrets
+import time
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.db import utcnow
+from service.errors import InvalidRequest, InvalidTransition, JobNotFound
+from service.jobs.models import Job, JobEvent
+from service.jobs.spec import JobSpec
+from service.jobs.status import ALLOWED_FROM, JobStatus
+
+JOB_ID_LEN = 20
+
+
+def new_job_id() -> str:
+    """A time-ordered id: 12 hex digits of milliseconds, then 8 random ones."""
+    return f"{int(time.time() * 1000):012x}{secrets.token_hex(4)}"
+
+
+def is_job_id(value: str) -> bool:
+    return len(value) == JOB_ID_LEN and all(c in "0123456789abcdef" for c in value)
+
+
+def record_event(db: Session, *, job_id: str, kind: str, detail: str | None = None) -> None:
+    db.add(JobEvent(job_id=job_id, kind=kind, detail=detail, time=utcnow()))
+
+
+def create(db: Session, *, spec: JobSpec, owner: str = "default") -> Job:
+    """Insert a queued job (the caller commits, then enqueues)."""
+    body = spec.model_dump(mode="json")
+    now = utcnow()
+    job = Job(
+        id=new_job_id(),
+        owner=owner,
+        name=spec.name,
+        spec=body,
+        spec_hash=hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest(),
+        status=JobStatus.QUEUED,
+        priority=spec.priority,
+        attempt=0,
+        max_retries=spec.max_retries,
+        created_at=now,
+        queued_at=now,
+    )
+    db.add(job)
+    db.flush()
+    record_event(db, job_id=job.id, kind=JobStatus.QUEUED, detail="submitted")
+    return job
+
+
+def get(db: Session, *, job_id: str) -> Job:
+    job = db.get(Job, job_id) if is_job_id(job_id) else None
+    if job is None:
+        raise JobNotFound(job_id)
+    return job
+
+
+def list_jobs(
+    db: Session, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None
+) -> tuple[list[Job], str | None]:
+    """Newest first; the cursor is the id of the last job of the previous page."""
+    if cursor is not None and not is_job_id(cursor):
+        raise InvalidRequest("cursor is not a value this API returned", field="cursor")
+    query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if cursor is not None:
+        query = query.where(Job.id < cursor)
+    jobs = list(db.scalars(query))
+    next_cursor = jobs[limit - 1].id if len(jobs) > limit else None
+    return jobs[:limit], next_cursor
+
+
+def transition(
+    db: Session,
+    *,
+    job_id: str,
+    to: JobStatus,
+    values: dict[str, Any] | None = None,
+    attempt: int | None = None,
+    where: list | None = None,
+    detail: str | None = None,
+) -> bool:
+    """Compare-and-set the status; False means someone else moved the job first."""
+    query = update(Job).where(Job.id == job_id, Job.status.in_(ALLOWED_FROM[to]), *(where or []))
+    if attempt is not None:  # fencing: only the attempt that holds the job may move it
+        query = query.where(Job.attempt == attempt)
+    changes = dict(values or {})
+    if to.is_terminal():
+        changes.setdefault("finished_at", utcnow())
+    result = db.execute(query.values(status=to, **changes).execution_options(synchronize_session=False))
+    if result.rowcount != 1:
+        return False
+    record_event(db, job_id=job_id, kind=to, detail=detail)
+    return True
+
+
+def request_cancel(db: Session, *, job_id: str) -> tuple[Job, bool]:
+    """Cancel a queued job at once, or ask the supervisor of a running one to stop it.
+
+    Returns the job and whether it was queued (so the caller drops it from the queue).
+    """
+    job = get(db, job_id=job_id)
+    if job.status == JobStatus.QUEUED and transition(
+        db, job_id=job_id, to=JobStatus.CANCELLED, detail="cancelled while queued"
+    ):
+        db.commit()
+        db.refresh(job)
+        return job, True
+    result = db.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.status.in_([JobStatus.STARTING, JobStatus.RUNNING, JobStatus.QUEUED]),
+            Job.cancel_requested_at.is_(None),
+        )
+        .values(cancel_requested_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount == 1:
+        record_event(db, job_id=job_id, kind="cancel_requested")
+    db.commit()
+    db.refresh(job)
+    if job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED):
+        raise InvalidTransition(f"job {job_id} already {job.status}; it cannot be cancelled", field="status")
+    return job, False

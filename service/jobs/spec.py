@@ -1,0 +1,161 @@
+"""JobSpec: the one contract between the API, the CLI and the worker (pydantic only)."""
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\- ]*$")]
+
+
+class _Strict(BaseModel):
+    # An unknown field is a typo the user wants to hear about, not something to drop.
+    model_config = ConfigDict(extra="forbid")
+
+
+class Resources(_Strict):
+    nnodes: int = Field(1, ge=1, le=1024)
+    nproc_per_node: int = Field(1, ge=1, le=64)
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+
+    @field_validator("nnodes")
+    @classmethod
+    def _single_node(cls, value: int) -> int:
+        if value > 1:
+            raise ValueError("multi-node jobs (nnodes > 1) are not available yet; use nnodes 1")
+        return value
+
+
+class MLPConfig(_Strict):
+    type: Literal["mlp"]
+    hidden: list[Annotated[int, Field(ge=1, le=65536)]] = Field(default_factory=lambda: [64, 64], max_length=32)
+    activation: Literal["relu", "gelu", "tanh"] = "relu"
+
+
+class GPTConfig(_Strict):
+    type: Literal["gpt"]
+    n_layer: int = Field(2, ge=1, le=128)
+    n_head: int = Field(2, ge=1, le=128)
+    d_model: int = Field(64, ge=8, le=16384)
+    seq_len: int = Field(64, ge=2, le=32768)
+    vocab_size: int = Field(256, ge=2, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self):
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        return self
+
+
+ModelConfig = Annotated[MLPConfig | GPTConfig, Field(discriminator="type")]
+
+NumSamples = Annotated[int, Field(ge=1, le=50_000_000)]
+BatchSize = Annotated[int, Field(ge=1, le=65536, description="per rank")]
+
+
+class SyntheticRegression(_Strict):
+    type: Literal["synthetic_regression"]
+    num_samples: NumSamples = 4096
+    batch_size: BatchSize = 32
+    input_dim: int = Field(16, ge=1, le=65536)
+    output_dim: int = Field(1, ge=1, le=65536)
+    noise: float = Field(0.01, ge=0, le=100)
+    seed: int = Field(0, ge=0)
+
+
+class SyntheticClassification(_Strict):
+    type: Literal["synthetic_classification"]
+    num_samples: NumSamples = 4096
+    batch_size: BatchSize = 32
+    input_dim: int = Field(16, ge=1, le=65536)
+    num_classes: int = Field(4, ge=2, le=100_000)
+    seed: int = Field(0, ge=0)
+
+
+class SyntheticLM(_Strict):
+    """Token sequences from a fixed sparse Markov chain: learnable, so loss falls."""
+
+    type: Literal["synthetic_lm"]
+    num_samples: NumSamples = 4096
+    batch_size: BatchSize = 16
+    branching: int = Field(2, ge=1, le=64, description="likely successors per token")
+    seed: int = Field(0, ge=0)
+
+
+class TextData(_Strict):
+    """Byte-level language modelling over a UTF-8 file under the data directory."""
+
+    type: Literal["text"]
+    path: str = Field(min_length=1, max_length=1024, description="relative to TRAINJOBS_DATA_DIR")
+    batch_size: BatchSize = 16
+
+
+DataConfig = Annotated[
+    SyntheticRegression | SyntheticClassification | SyntheticLM | TextData, Field(discriminator="type")
+]
+LM_DATA = ("synthetic_lm", "text")
+
+
+class OptimizerConfig(_Strict):
+    type: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd only")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0, le=10_000_000)
+    grad_clip: float | None = Field(None, gt=0)
+
+
+class TrainConfig(_Strict):
+    max_steps: int = Field(100, ge=1, le=100_000_000)
+    log_every: int = Field(10, ge=1, le=1_000_000)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+
+
+class FaultInjection(_Strict):
+    """Make one rank raise at a step: to test failure handling, alerting and retries."""
+
+    raise_at_step: int = Field(ge=0)
+    rank: int = Field(0, ge=0)
+    message: str = Field("injected fault", max_length=500)
+
+
+class JobSpec(_Strict):
+    """A training job as the user submits it."""
+
+    name: Name = "job"
+    strategy: Literal["ddp", "fsdp", "auto"] = "ddp"
+    resources: Resources = Field(default_factory=Resources)
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    priority: Literal["high", "normal", "low"] = "normal"
+    max_retries: int = Field(0, ge=0, le=10)
+    timeout_s: float = Field(3600, gt=0, le=7 * 24 * 3600)
+    fault_injection: FaultInjection | None = None
+
+    @field_validator("strategy")
+    @classmethod
+    def _strategy_available(cls, value: str) -> str:
+        # NOTE: never run an unsupported strategy silently as DDP.
+        if value != "ddp":
+            raise ValueError(f"strategy {value!r} is not available yet; use 'ddp'")
+        return value
+
+    @model_validator(mode="after")
+    def _model_fits_data(self):
+        is_lm = self.data.type in LM_DATA
+        if is_lm and self.model.type != "gpt":
+            raise ValueError(f"data.type {self.data.type!r} is language modelling and needs model.type 'gpt'")
+        if not is_lm and self.model.type == "gpt":
+            raise ValueError(f"model.type 'gpt' needs language-model data ({', '.join(LM_DATA)})")
+        if self.data.type == "text" and self.model.vocab_size < 256:
+            raise ValueError("data.type 'text' is byte-level: model.vocab_size must be at least 256")
+        if self.fault_injection and self.fault_injection.rank >= self.world_size:
+            raise ValueError(f"fault_injection.rank must be below the world size ({self.world_size})")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.nnodes * self.resources.nproc_per_node

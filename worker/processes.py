@@ -1,0 +1,99 @@
+"""Find and stop every process of an attempt, however torchrun arranged them."""
+
+import ctypes
+import logging
+import signal
+import time
+
+import psutil
+
+from worker.launch import RUN_TAG_ENV
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(option, value, 0, 0, 0)
+
+
+def become_subreaper() -> None:
+    """Orphaned ranks (torchrun gone) are re-parented to us, so we can reap them, not leave zombies."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent() -> None:
+    """preexec_fn: torchrun gets SIGTERM if the supervisor itself dies (and stops its ranks)."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def find_processes(root_pid: int, tag: str) -> list[psutil.Process]:
+    """The root, its descendants, and any process whose environment carries the run tag."""
+    found: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(root_pid)
+        found[root.pid] = root
+        for child in root.children(recursive=True):
+            found[child.pid] = child
+    except psutil.NoSuchProcess:
+        pass
+    needle = f"{RUN_TAG_ENV}={tag}"
+    for proc in psutil.process_iter():
+        if proc.pid in found:
+            continue
+        try:
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                if needle.encode() in f.read().split(b"\0"):
+                    found[proc.pid] = proc
+        except OSError:
+            continue
+    return [p for p in found.values() if _alive(p)]
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop_all(root: psutil.Popen | object, tag: str, grace_s: float) -> list[int]:
+    """SIGTERM torchrun (it forwards to its ranks), wait `grace_s`, SIGKILL whatever is left.
+
+    Returns the pids that were still alive and got SIGKILL. Ends only when none is alive.
+    """
+    root_pid = root.pid
+    procs = find_processes(root_pid, tag)
+    for proc in procs:
+        _signal(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and find_processes(root_pid, tag):
+        _reap(procs)
+        time.sleep(0.1)
+    killed = []
+    for _ in range(50):  # re-scan: a process may have been forked during the grace period
+        left = find_processes(root_pid, tag)
+        if not left:
+            break
+        for proc in left:
+            _signal(proc, signal.SIGKILL)
+            killed.append(proc.pid)
+        psutil.wait_procs(left, timeout=1)
+    _reap(procs)
+    if killed:
+        log.warning("SIGKILLed %d process(es) of run %s after %.1fs grace", len(set(killed)), tag, grace_s)
+    return sorted(set(killed))
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+
+
+def _reap(procs: list[psutil.Process]) -> None:
+    """Collect exit statuses of our (re-parented) children so they do not linger as zombies."""
+    psutil.wait_procs(procs, timeout=0)

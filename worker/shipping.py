@@ -1,0 +1,108 @@
+"""Move what a run writes (output, metric lines) into the database in batches."""
+
+import codecs
+import json
+import os
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+
+from sqlalchemy.orm import Session
+
+from service.logs import service as logs
+from service.metrics import service as metrics
+
+
+class OutputPump:
+    """Reads torchrun's merged stdout/stderr on a thread, so the pipe never fills and blocks training."""
+
+    def __init__(self, fd: int):
+        self._fd, self._lock, self._pending = fd, threading.Lock(), bytearray()
+        self._thread = threading.Thread(target=self._read, name="output-pump", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while data := os.read(self._fd, 65536):
+            with self._lock:
+                self._pending += data
+
+    def take(self) -> bytes:
+        with self._lock:
+            data, self._pending = bytes(self._pending), bytearray()
+        return data
+
+    def join(self, timeout: float = 10) -> None:
+        self._thread.join(timeout)
+
+
+class LogShipper:
+    """Appends output to the job's log, up to a cap per job.
+
+    write() adds to the open transaction; committed() moves on only once it is stored,
+    so a failed commit loses nothing: the next write() sends the same text again.
+    """
+
+    def __init__(self, db: Session, *, job_id: str, attempt: int, max_bytes: int):
+        self.job_id, self.attempt, self.max_bytes = job_id, attempt, max_bytes
+        self.offset, self.seq = logs.log_size(db, job_id=job_id)
+        # Keeps a UTF-8 sequence split across two reads until its last byte arrives.
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pending = ""
+        self._written = 0
+        self.truncated = False
+        self.recent = ""  # the last few KiB, for error excerpts
+
+    def stage(self, data: bytes, *, final: bool = False) -> None:
+        text = self._decoder.decode(data, final=final)
+        self.recent = (self.recent + text)[-8192:]
+        if not self.truncated:
+            self.pending += text
+
+    def write(self, db: Session) -> None:
+        if not self.pending:
+            return
+        text, room = self.pending, self.max_bytes - self.offset
+        if len(text.encode()) > room:
+            text = text.encode()[: max(0, room)].decode(errors="ignore")
+            text += f"\n[trainjobs] log truncated at {self.max_bytes} bytes\n"
+        self._written = logs.append(db, job_id=self.job_id, attempt=self.attempt, start=self.offset,
+                                    seq=self.seq, text=text)
+        self.truncated = text is not self.pending
+
+    def committed(self) -> None:
+        if self._written:
+            self.offset, self.seq, self._written, self.pending = self.offset + self._written, self.seq + 1, 0, ""
+
+
+class MetricTail:
+    """Reads complete JSON lines that the reporter appended since the last committed read."""
+
+    def __init__(self, path: Path):
+        self.path, self.pos, self._next_pos = path, 0, 0
+        self.summary: dict | None = None
+        self.last_step, self.last_step_time_s = 0, None
+
+    def write(self, db: Session, *, job_id: str, attempt: int) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return 0
+        end = data.rfind(b"\n") + 1
+        self._next_pos = self.pos + end
+        rows = []
+        for line in data[:end].splitlines():
+            record = json.loads(line)
+            if record["type"] == "summary":
+                self.summary = record["summary"]
+                continue
+            t = datetime.fromtimestamp(record["time"], UTC)
+            step = record["step"]
+            rows.extend((step, name, value, t) for name, value in record["metrics"].items())
+            self.last_step = step
+            self.last_step_time_s = record["metrics"].get("step_time_s", self.last_step_time_s)
+        return metrics.insert_batch(db, job_id=job_id, attempt=attempt, rows=rows)
+
+    def committed(self) -> None:
+        self.pos = self._next_pos

@@ -1,0 +1,168 @@
+"""Launch torchrun for one attempt and watch it: ship output and metrics, honour cancel and timeout."""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db import utcnow
+from service.jobs import service as jobs
+from service.jobs.models import Attempt, Job
+from service.jobs.spec import JobSpec
+from service.jobs.status import JobStatus
+from service.settings import Settings
+from worker import launch, processes
+from worker.shipping import LogShipper, MetricTail, OutputPump
+
+log = logging.getLogger(__name__)
+# Errors a rank reports when a *peer* died: never the root cause when another rank has one.
+PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
+               "SignalException", "Broken pipe")
+
+
+@dataclass
+class Outcome:
+    status: JobStatus
+    exit_code: int | None = None
+    summary: dict | None = None
+    error: dict | None = None
+    killed_pids: list[int] = field(default_factory=list)
+
+
+class Supervisor:
+    """One attempt of one job on this node, from launch to the last process gone."""
+
+    def __init__(self, *, sessions: sessionmaker[Session], settings: Settings, job_id: str, attempt: int,
+                 spec: JobSpec, run_dir: Path):
+        self.sessions, self.settings, self.spec = sessions, settings, spec
+        self.job_id, self.attempt, self.run_dir = job_id, attempt, run_dir
+        self.tag = launch.run_tag(job_id, attempt)
+        self.metrics = MetricTail(run_dir / "metrics.jsonl")
+        self.cancel_requested = False
+
+    def run(self) -> Outcome:
+        plan = launch.render(
+            self.spec, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir, python=sys.executable,
+            data_dir=self.settings.data_dir, shutdown_grace_s=self.settings.cancel_grace_s,
+            base_env=launch.default_env(), cpu_count=os.cpu_count() or 1,
+        )
+        (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
+        processes.become_subreaper()
+        with self.sessions() as db:
+            self.logs = LogShipper(db, job_id=self.job_id, attempt=self.attempt,
+                                   max_bytes=self.settings.log_max_bytes)
+        # A session of its own, so a signal to the worker's terminal never reaches the ranks directly.
+        proc = subprocess.Popen(
+            plan.argv, env=plan.env, cwd=self.run_dir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=processes.die_with_parent,
+        )
+        pump = OutputPump(proc.stdout.fileno())
+        try:
+            with self.sessions() as db:
+                moved = jobs.transition(db, job_id=self.job_id, to=JobStatus.RUNNING, attempt=self.attempt,
+                                        detail=f"torchrun pid {proc.pid}")
+                db.commit()
+            stop_reason = None if moved else "lost"
+            started = time.monotonic()
+            killed: list[int] = []
+            while True:
+                exit_code = proc.poll()
+                self._ship(pump)
+                if exit_code is not None:
+                    break
+                if stop_reason is None:
+                    if self.cancel_requested:
+                        stop_reason = "cancelled"
+                    elif time.monotonic() - started > self.spec.timeout_s:
+                        stop_reason = "timeout"
+                if stop_reason is not None:
+                    killed = processes.stop_all(proc, self.tag, self.settings.cancel_grace_s)
+                    exit_code = proc.wait()
+                    break
+                time.sleep(self.settings.poll_s)
+            pump.join()
+            self.logs.stage(pump.take(), final=True)
+            self._ship(pump)
+        finally:
+            # Whatever happened above, no process of this attempt outlives the supervisor.
+            if left := processes.find_processes(proc.pid, self.tag):
+                log.error("attempt %s left %d process(es); killing them", self.tag, len(left))
+                processes.stop_all(proc, self.tag, 0)
+            proc.stdout.close()
+            shutil.rmtree(self.run_dir / "tmp", ignore_errors=True)
+        return self._outcome(exit_code, stop_reason, killed)
+
+    def _ship(self, pump: OutputPump) -> None:
+        """Move new output and metrics to the database, renew the lease, read the cancel flag."""
+        self.logs.stage(pump.take())
+        try:
+            with self.sessions() as db:
+                self.logs.write(db)
+                self.metrics.write(db, job_id=self.job_id, attempt=self.attempt)
+                db.execute(update(Attempt)
+                           .where(Attempt.job_id == self.job_id, Attempt.number == self.attempt)
+                           .values(lease_expires_at=utcnow() + timedelta(seconds=self.settings.lease_s)))
+                db.execute(update(Job).where(Job.id == self.job_id, Job.attempt == self.attempt)
+                           .values(progress=self._progress()))
+                requested = db.get(Job, self.job_id).cancel_requested_at
+                db.commit()
+            self.logs.committed()
+            self.metrics.committed()
+            self.cancel_requested = requested is not None
+        except Exception:  # noqa: BLE001 - a database blip must never kill a healthy run
+            log.exception("shipping for job %s failed; will retry", self.job_id)
+
+    def _progress(self) -> dict:
+        total, step = self.spec.train.max_steps, self.metrics.last_step
+        eta = (total - step) * self.metrics.last_step_time_s if self.metrics.last_step_time_s else None
+        return {"step": step, "total_steps": total, "eta_s": eta}
+
+    def _outcome(self, exit_code: int | None, stop_reason: str | None, killed: list[int]) -> Outcome:
+        if stop_reason == "cancelled":
+            return Outcome(JobStatus.CANCELLED, exit_code, killed_pids=killed)
+        if stop_reason == "timeout":
+            error = {"type": "timeout", "message": f"job ran past timeout_s={self.spec.timeout_s:g}",
+                     "rank": None, "exit_code": exit_code}
+            return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
+        if stop_reason == "lost":
+            error = {"type": "attempt_lost", "message": "another attempt or a cancel took the job",
+                     "rank": None, "exit_code": exit_code}
+            return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
+        if exit_code == 0 and self.metrics.summary is not None:
+            return Outcome(JobStatus.SUCCEEDED, exit_code, summary=self.metrics.summary)
+        return Outcome(JobStatus.FAILED, exit_code, error=self._error(exit_code))
+
+    def _error(self, exit_code: int | None) -> dict:
+        """The root cause from the ranks' torchrun error files (@record), else the exit code."""
+        excerpt = self.logs.recent[-4000:]
+        candidates = []
+        for path in (self.run_dir / "torchelastic").glob("**/error.json"):
+            try:
+                body = json.loads(path.read_text())["message"]
+                local_rank = int(path.parent.name)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            message = body["message"] if isinstance(body, dict) else str(body)
+            extra = body.get("extraInfo", {}) if isinstance(body, dict) else {}
+            is_peer = any(p in message for p in PEER_ERRORS)
+            candidates.append((is_peer, int(extra.get("timestamp", 0) or 0), local_rank, message,
+                               extra.get("py_callstack", "")))
+        if not candidates:
+            message = (f"torchrun exited with code {exit_code} and no rank reported an exception"
+                       if exit_code else "training ended without a summary")
+            return {"type": "process_exit", "message": message, "rank": None, "exit_code": exit_code,
+                    "excerpt": excerpt}
+        _, _, local_rank, message, stack = min(candidates)
+        kind, _, text = message.partition(": ")
+        rank = local_rank  # single node: the global rank is the local one
+        return {"type": kind or "Error", "message": text or message, "rank": rank, "exit_code": exit_code,
+                "traceback": stack[-4000:], "excerpt": excerpt}

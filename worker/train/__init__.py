@@ -1,0 +1,1 @@
+"""The training runtime; runs inside torchrun: `python -m worker.train RUN_DIR`."""

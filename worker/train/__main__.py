@@ -1,0 +1,3 @@
+from worker.train.main import main
+
+main()

@@ -1,0 +1,77 @@
+"""The dataset registry: synthetic sets made from a seed, and byte-level text from a local file."""
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from service.jobs.spec import DataConfig, JobSpec
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    task: str  # regression | classification | lm
+    input_dim: int = 0
+    output_dim: int = 0
+    tokens_per_sample: int = 0
+
+
+class TokenWindows(Dataset):
+    """Overlapping-free windows of seq_len+1 tokens: input is [:-1], target is [1:]."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.count = (len(tokens) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int):
+        chunk = self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def markov_tokens(n: int, vocab: int, branching: int, seed: int) -> torch.Tensor:
+    """A token stream from a fixed chain where each token has `branching` likely successors."""
+    rng = random.Random(seed)
+    successors = [[rng.randrange(vocab) for _ in range(branching)] for _ in range(vocab)]
+    out, token = [0] * n, 0
+    for i in range(1, n):  # plain Python: 10x faster than indexing tensors one at a time
+        token = rng.randrange(vocab) if rng.random() < 0.05 else successors[token][rng.randrange(branching)]
+        out[i] = token
+    return torch.tensor(out, dtype=torch.long)
+
+
+def resolve_text_path(path: str, data_dir: Path) -> Path:
+    """The file under data_dir; anything that escapes it is refused."""
+    root = data_dir.resolve()
+    full = (root / path).resolve()
+    if not full.is_relative_to(root):
+        raise ValueError(f"data.path {path!r} is outside the data directory")
+    return full
+
+
+def build_dataset(spec: JobSpec, data_dir: Path) -> tuple[Dataset, DataInfo]:
+    cfg: DataConfig = spec.data
+    if cfg.type == "synthetic_regression":
+        g = torch.Generator().manual_seed(cfg.seed)
+        x = torch.randn(cfg.num_samples, cfg.input_dim, generator=g)
+        w = torch.randn(cfg.input_dim, cfg.output_dim, generator=g) / cfg.input_dim**0.5
+        y = x @ w + cfg.noise * torch.randn(cfg.num_samples, cfg.output_dim, generator=g)
+        return TensorDataset(x, y), DataInfo("regression", cfg.input_dim, cfg.output_dim)
+    if cfg.type == "synthetic_classification":
+        g = torch.Generator().manual_seed(cfg.seed)
+        x = torch.randn(cfg.num_samples, cfg.input_dim, generator=g)
+        w = torch.randn(cfg.input_dim, cfg.num_classes, generator=g)
+        return TensorDataset(x, (x @ w).argmax(dim=1)), DataInfo("classification", cfg.input_dim, cfg.num_classes)
+    seq_len = spec.model.seq_len
+    if cfg.type == "synthetic_lm":
+        tokens = markov_tokens(cfg.num_samples * seq_len + 1, spec.model.vocab_size, cfg.branching, cfg.seed)
+    else:
+        raw = resolve_text_path(cfg.path, data_dir).read_bytes()
+        if len(raw) < seq_len + 1:
+            raise ValueError(f"data.path has {len(raw)} bytes; seq_len {seq_len} needs at least {seq_len + 1}")
+        tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    return TokenWindows(tokens, seq_len), DataInfo("lm", tokens_per_sample=seq_len)
