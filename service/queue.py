@@ -1,6 +1,7 @@
 """The only module that talks to RQ: enqueue, drop, reconcile with the database."""
 
 import logging
+from datetime import timedelta
 
 from redis import Redis
 from rq import Queue
@@ -10,6 +11,7 @@ from rq.serializers import JSONSerializer
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.db import utcnow
 from service.jobs.models import Job
 from service.jobs.status import JobStatus
 
@@ -53,13 +55,17 @@ def drop(redis: Redis, *, prefix: str, job_id: str, priority: str) -> None:
         pass
 
 
-def reconcile(db: Session, redis: Redis, *, prefix: str) -> list[str]:
-    """Re-enqueue every queued job that no RQ queue holds (Redis lost it, or enqueue failed)."""
+def reconcile(db: Session, redis: Redis, *, prefix: str, min_age_s: float = 10.0) -> list[str]:
+    """Re-enqueue every queued job that no RQ queue holds (Redis lost it, or enqueue failed).
+
+    Jobs queued in the last `min_age_s` are left alone: their API request may still be enqueueing them.
+    """
+    cutoff = utcnow() - timedelta(seconds=min_age_s)
     held: set[str] = set()
     for priority in PRIORITIES:
         held.update(get_queue(redis, prefix, priority).get_job_ids())
     missing = []
-    for job in db.scalars(select(Job).where(Job.status == JobStatus.QUEUED)):
+    for job in db.scalars(select(Job).where(Job.status == JobStatus.QUEUED, Job.queued_at <= cutoff)):
         if job.id not in held:
             enqueue(redis, prefix=prefix, job_id=job.id, priority=job.priority,
                     timeout_s=job.spec.get("timeout_s", 3600))

@@ -18,6 +18,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 @router.post("", status_code=201, response_model=JobPublic)
 def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDep, settings: SettingsDep):
     """Store the job, commit, then enqueue: the row is the truth, the queue entry only a hint."""
+    service.check_inputs(spec, data_dir=settings.data_dir)
     job = service.create(db, spec=spec)
     db.commit()
     try:

@@ -4,6 +4,7 @@ import hashlib
 import json
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, update
@@ -29,6 +30,24 @@ def is_job_id(value: str) -> bool:
 
 def record_event(db: Session, *, job_id: str, kind: str, detail: str | None = None) -> None:
     db.add(JobEvent(job_id=job_id, kind=kind, detail=detail, time=utcnow()))
+
+
+def resolve_data_path(path: str, data_dir: Path) -> Path:
+    """A dataset file under data_dir; a path that escapes it is refused."""
+    root = data_dir.resolve()
+    full = (root / path).resolve()
+    if not full.is_relative_to(root):
+        raise InvalidRequest(f"data.path {path!r} is outside the data directory", field="data.path")
+    return full
+
+
+def check_inputs(spec: JobSpec, *, data_dir: Path) -> None:
+    """What the spec alone cannot know: that its files exist where the workers will look."""
+    if spec.data.type == "text":
+        path = resolve_data_path(spec.data.path, data_dir)
+        if not path.is_file():
+            raise InvalidRequest(f"data.path {spec.data.path!r} is not a file under the data directory",
+                                 field="data.path")
 
 
 def create(db: Session, *, spec: JobSpec, owner: str = "default") -> Job:

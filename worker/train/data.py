@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from service.jobs.service import resolve_data_path
 from service.jobs.spec import DataConfig, JobSpec
 
 
@@ -44,15 +45,6 @@ def markov_tokens(n: int, vocab: int, branching: int, seed: int) -> torch.Tensor
     return torch.tensor(out, dtype=torch.long)
 
 
-def resolve_text_path(path: str, data_dir: Path) -> Path:
-    """The file under data_dir; anything that escapes it is refused."""
-    root = data_dir.resolve()
-    full = (root / path).resolve()
-    if not full.is_relative_to(root):
-        raise ValueError(f"data.path {path!r} is outside the data directory")
-    return full
-
-
 def build_dataset(spec: JobSpec, data_dir: Path) -> tuple[Dataset, DataInfo]:
     cfg: DataConfig = spec.data
     if cfg.type == "synthetic_regression":
@@ -70,7 +62,7 @@ def build_dataset(spec: JobSpec, data_dir: Path) -> tuple[Dataset, DataInfo]:
     if cfg.type == "synthetic_lm":
         tokens = markov_tokens(cfg.num_samples * seq_len + 1, spec.model.vocab_size, cfg.branching, cfg.seed)
     else:
-        raw = resolve_text_path(cfg.path, data_dir).read_bytes()
+        raw = resolve_data_path(cfg.path, data_dir).read_bytes()
         if len(raw) < seq_len + 1:
             raise ValueError(f"data.path has {len(raw)} bytes; seq_len {seq_len} needs at least {seq_len + 1}")
         tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()

@@ -35,6 +35,11 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
         raise ValueError(f"dataset of {len(dataset)} samples gives no full batch of {spec.data.batch_size} "
                          f"per rank over {d.world_size} ranks")
     reporter = Reporter(reporter_path, enabled=d.is_main)
+    if d.is_main:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"[trainjobs] {spec.strategy} on {d.world_size} x {d.device.type}: {spec.model.type} with "
+              f"{n_params:,} parameters, {len(dataset):,} samples, global batch "
+              f"{spec.data.batch_size * d.world_size}, {spec.train.max_steps} steps", flush=True)
     fault = spec.fault_injection
     max_steps, log_every = spec.train.max_steps, spec.train.log_every
     global_batch = spec.data.batch_size * d.world_size
@@ -70,6 +75,10 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
                 if info.task == "lm":
                     metrics["tokens_per_s"] = metrics["samples_per_s"] * info.tokens_per_sample
                 reporter.log(step, metrics)
+                if d.is_main:
+                    print(f"step {step}/{max_steps} loss {loss_value:.6f} lr {lr:.3g} "
+                          f"grad_norm {metrics['grad_norm']:.4f} samples/s {metrics['samples_per_s']:.0f}",
+                          flush=True)
                 t_last, last_logged = now, step
             if step >= max_steps:
                 break
@@ -84,6 +93,8 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
     if info.task == "lm":
         summary["tokens_per_s"] = summary["samples_per_s"] * info.tokens_per_sample
     reporter.summary(summary)
+    if d.is_main:
+        print(f"[trainjobs] done: {step} steps in {wall:.2f}s, final loss {loss_value:.6f}", flush=True)
     reporter.close()
 
 

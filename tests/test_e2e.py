@@ -1,0 +1,106 @@
+"""End to end: real API (uvicorn), real Redis, a real worker process, torchrun with gloo DDP."""
+
+import os
+import subprocess
+import sys
+
+import httpx
+import psutil
+import pytest
+
+from service.settings import Settings
+from service.stack import Stack
+from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables, mlp_spec
+from tests.helpers import processes_of, wait_for, wait_terminal
+
+
+@pytest.fixture(scope="module")
+def stack(postgres_url, tmp_path_factory):
+    _empty_tables(postgres_url)
+    settings = Settings(data_dir=tmp_path_factory.mktemp("e2e"), database_url=postgres_url, redis_url=REDIS_URL,
+                        queue_prefix=f"{QUEUE_PREFIX}e2e", cancel_grace_s=3, poll_s=0.2)
+    with Stack(settings, port=free_port(), workers=1) as s:
+        yield s
+
+
+@pytest.fixture
+def api(stack):
+    with httpx.Client(base_url=stack.api_url, timeout=10) as client:
+        yield client
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_submit_follow_runs_ddp_job_to_success_with_metrics_and_logs(stack, api, tmp_path):
+    spec_file = tmp_path / "job.json"
+    spec_file.write_text(__import__("json").dumps(mlp_spec(train={"max_steps": 60, "log_every": 5})))
+    env = dict(os.environ, TRAINJOBS_API_URL=stack.api_url)
+    cli = subprocess.run([sys.executable, "-m", "service.cli", "submit", str(spec_file), "--follow"],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert "succeeded" in cli.stdout and "final_loss" in cli.stdout
+
+    job = api.get("/v1/jobs", params={"limit": 1}).json()["items"][0]
+    assert job["status"] == "succeeded" and job["attempt"] == 1 and job["error"] is None
+    assert job["progress"]["step"] == 60
+    assert job["summary"]["steps"] == 60 and job["summary"]["world_size"] == 2
+    assert job["summary"]["samples_per_s"] > 0
+    assert job["started_at"] <= job["finished_at"]
+
+    series = {s["name"]: s for s in api.get(f"/v1/jobs/{job['id']}/metrics").json()["series"]}
+    assert {"loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "peak_mem_mb"} <= series.keys()
+    loss = series["loss"]
+    assert loss["steps"] == list(range(5, 61, 5))
+    assert loss["values"][-1] < loss["values"][0]
+    only_loss = api.get(f"/v1/jobs/{job['id']}/metrics", params={"name": "loss", "after_step": 50}).json()
+    assert only_loss["series"] == [{"name": "loss", "steps": [55, 60], "values": loss["values"][-2:]}]
+
+    logs = api.get(f"/v1/jobs/{job['id']}/logs")
+    assert "step 60/60" in logs.text and "[trainjobs] done" in logs.text
+    tail = api.get(f"/v1/jobs/{job['id']}/logs", params={"offset": int(logs.headers["x-next-offset"]) - 10})
+    assert tail.text == logs.text[-10:]
+    run_dir = stack.settings.runs_dir / job["id"] / "attempt-1"
+    assert (run_dir / "spec.json").exists() and not (run_dir / "tmp").exists()
+
+
+def test_rank_that_raises_fails_the_job_naming_rank_and_exception(api):
+    spec = mlp_spec(fault_injection={"raise_at_step": 3, "rank": 1, "message": "bad batch on purpose"})
+    job = api.post("/v1/jobs", json=spec).json()
+    job = wait_terminal(api, job["id"])
+    assert job["status"] == "failed"
+    error = job["error"]
+    assert error["rank"] == 1
+    assert error["type"] == "RuntimeError"
+    assert error["message"] == "bad batch on purpose"
+    assert "bad batch on purpose" in error["traceback"]
+    assert processes_of(job["id"]) == []
+
+
+def test_cancel_of_running_job_leaves_no_process_alive(api):
+    spec = mlp_spec(train={"max_steps": 10_000_000, "log_every": 20})
+    job = api.post("/v1/jobs", json=spec).json()
+    wait_for(lambda: api.get(f"/v1/jobs/{job['id']}").json()["progress"]["step"] > 0, 120,
+             what="training to report steps")
+    procs = processes_of(job["id"])
+    assert len(procs) >= 3  # torchrun and its two ranks
+    r = api.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status_code == 200 and r.json()["cancel_requested_at"] is not None
+    done = wait_terminal(api, job["id"], timeout=60)
+    assert done["status"] == "cancelled"
+    # By the time the API says cancelled, every process of the job is gone.
+    alive = [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [] and processes_of(job["id"]) == []
+
+
+def test_cancel_of_finished_job_is_409(api):
+    job = api.get("/v1/jobs", params={"status": "succeeded", "limit": 1}).json()["items"]
+    if not job:
+        pytest.skip("needs the succeeded job of the first test")
+    r = api.post(f"/v1/jobs/{job[0]['id']}/cancel")
+    assert r.status_code == 409 and "already succeeded" in r.json()["detail"]
