@@ -102,6 +102,7 @@ def cmd_cancel(args, client: Client) -> int:
 def cmd_db(args, settings: Settings) -> int:
     from service import migrate
 
+    settings.data_dir.mkdir(parents=True, exist_ok=True)  # the default SQLite file lives there
     migrate.upgrade(settings.resolved_database_url)
     console.print(f"database at head: {settings.resolved_database_url}")
     return 0

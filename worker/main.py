@@ -8,6 +8,7 @@ from redis import Redis
 from rq import Queue, Worker
 from rq.serializers import JSONSerializer
 
+import worker.agent  # noqa: F401 - preloaded: each forked work-horse starts with it imported
 from service.queue import queue_names
 from service.settings import get_settings
 

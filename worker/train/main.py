@@ -16,7 +16,7 @@ from worker.train.data import build_dataset
 from worker.train.distributed import cleanup_and_exit, init_distributed, mean_across_ranks, peak_memory_mb
 from worker.train.models import build_model, loss_fn
 from worker.train.optim import build_optimizer, lr_at
-from worker.train.report import Reporter
+from worker.train.report import METRICS_FILE_ENV, Reporter
 from worker.train.strategies import apply_strategy
 
 
@@ -103,7 +103,7 @@ def main() -> None:
     run_dir = Path(sys.argv[1])
     spec = JobSpec.model_validate_json((run_dir / SPEC_FILE).read_text())
     data_dir = Path(os.environ.get("TRAINJOBS_DATA_DIR", "./trainjobs-data"))
-    train(spec, data_dir, run_dir / "metrics.jsonl")
+    train(spec, data_dir, Path(os.environ.get(METRICS_FILE_ENV) or run_dir / "metrics.jsonl"))
     cleanup_and_exit(0)
 
 

@@ -16,7 +16,7 @@ class MLP(nn.Module):
         dims = [input_dim, *cfg.hidden]
         # One Sequential per hidden layer: the unit a sharding policy wraps.
         self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(a, b), ACTIVATIONS[cfg.activation]()) for a, b in zip(dims, dims[1:])
+            nn.Sequential(nn.Linear(a, b), ACTIVATIONS[cfg.activation]()) for a, b in zip(dims, dims[1:], strict=False)
         )
         self.head = nn.Linear(dims[-1], output_dim)
 

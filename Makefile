@@ -1,0 +1,40 @@
+# make demo: set up .venv, start the stack on SQLite + Redis, run the example DDP job end to end.
+# make test: set up .venv, make sure Redis and PostgreSQL are up, run the tests.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The CPU build that lies on disk on these machines; on a GPU machine pass a CUDA build, e.g.
+# make TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test up services lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[worker,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/trainjobs demo examples/ddp-mlp.json
+
+test: $(STAMP) services
+	$(PY) -m pytest
+
+services:
+	./scripts/ensure-services.sh
+
+up: $(STAMP)
+	$(VENV)/bin/trainjobs up
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check service worker tests bench
+
+bench: $(STAMP) services
+	$(PY) bench/throughput.py
+	$(PY) bench/claim_latency.py
+
+clean:
+	rm -rf $(VENV) trainjobs-data

@@ -1,0 +1,87 @@
+"""Training throughput through the service vs. the same work under a bare torchrun, in one run.
+
+The service adds a supervisor that ships logs and metrics to the database while training runs;
+this measures what that costs the training itself (goal: ratio >= 0.97). Rounds alternate
+bare/service so that drift on a shared machine hits both alike; the median round is reported.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import bench_stack, wait_job  # noqa: E402
+from service.jobs.spec import JobSpec  # noqa: E402
+
+SPEC = {
+    "name": "bench-throughput",
+    "strategy": "ddp",
+    "resources": {"nnodes": 1, "nproc_per_node": 2, "device": "cpu"},
+    "model": {"type": "mlp", "hidden": [256, 256, 256]},
+    "data": {"type": "synthetic_regression", "num_samples": 16384, "batch_size": 64, "input_dim": 64},
+    "optimizer": {"type": "adamw", "lr": 0.001},
+    "train": {"max_steps": 600, "log_every": 10, "seed": 0},
+}
+
+
+def run_bare(spec: dict) -> dict:
+    with tempfile.TemporaryDirectory(prefix="trainjobs-bare-") as tmp:
+        run_dir = Path(tmp)
+        (run_dir / "tmp").mkdir()
+        (run_dir / "spec.json").write_text(JobSpec.model_validate(spec).model_dump_json())
+        env = dict(os.environ, TMPDIR=str(run_dir / "tmp"), TRAINJOBS_METRICS_FILE=str(run_dir / "m.jsonl"),
+                   OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // spec["resources"]["nproc_per_node"])))
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                        "--nproc-per-node", str(spec["resources"]["nproc_per_node"]), "--max-restarts", "0",
+                        "-m", "worker.train", str(run_dir)], env=env, check=True, capture_output=True)
+        wall = time.perf_counter() - t0
+        records = [json.loads(line) for line in (run_dir / "m.jsonl").read_text().splitlines()]
+    summary = next(r["summary"] for r in records if r["type"] == "summary")
+    return {"samples_per_s": summary["samples_per_s"], "wall_s": wall}
+
+
+def run_service(api, spec: dict) -> dict:
+    job = api.post("/v1/jobs", json=spec).json()
+    job = wait_job(api, job["id"])
+    assert job["status"] == "succeeded", job["error"]
+    wall = (datetime.fromisoformat(job["finished_at"]) - datetime.fromisoformat(job["created_at"])).total_seconds()
+    return {"samples_per_s": job["summary"]["samples_per_s"], "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=SPEC["train"]["max_steps"])
+    args = parser.parse_args()
+    spec = json.loads(json.dumps(SPEC))
+    spec["train"]["max_steps"] = args.steps
+    ratios, e2e, bare_sps, svc_sps = [], [], [], []
+    with bench_stack() as (_stack, api):
+        for i in range(args.rounds):
+            bare = run_bare(spec)
+            svc = run_service(api, spec)
+            ratios.append(svc["samples_per_s"] / bare["samples_per_s"])
+            e2e.append(bare["wall_s"] / svc["wall_s"])
+            bare_sps.append(bare["samples_per_s"])
+            svc_sps.append(svc["samples_per_s"])
+            print(f"round {i + 1}: bare {bare['samples_per_s']:.0f} samples/s, service {svc['samples_per_s']:.0f} "
+                  f"samples/s, ratio {ratios[-1]:.3f}; wall bare {bare['wall_s']:.1f}s, "
+                  f"service (submit→finished) {svc['wall_s']:.1f}s")
+    print(f"training throughput, service / bare torchrun: median {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f}) over {args.rounds} rounds; goal >= 0.97")
+    print(f"end-to-end wall time, bare / service: median {statistics.median(e2e):.3f}")
+    print(f"context: bare {statistics.median(bare_sps):.0f} samples/s, service {statistics.median(svc_sps):.0f} "
+          f"samples/s, {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()

