@@ -104,3 +104,21 @@ def test_cancel_of_finished_job_is_409(api):
         pytest.skip("needs the succeeded job of the first test")
     r = api.post(f"/v1/jobs/{job[0]['id']}/cancel")
     assert r.status_code == 409 and "already succeeded" in r.json()["detail"]
+
+
+def test_job_past_its_timeout_is_killed_and_failed(api):
+    spec = mlp_spec(train={"max_steps": 10_000_000, "log_every": 50}, timeout_s=4)
+    job = wait_terminal(api, api.post("/v1/jobs", json=spec).json()["id"], timeout=90)
+    assert job["status"] == "failed"
+    assert job["error"]["type"] == "timeout" and "timeout_s=4" in job["error"]["message"]
+    assert processes_of(job["id"]) == []
+
+
+def test_cli_reports_a_bad_spec_naming_the_field(stack, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: {type: mlp}\ndata: {type: synthetic_regression, batch_size: 0}\n")
+    env = dict(os.environ, TRAINJOBS_API_URL=stack.api_url)
+    cli = subprocess.run([sys.executable, "-m", "service.cli", "submit", str(bad)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 2
+    assert "body.data.synthetic_regression.batch_size" in cli.stdout and "greater than or equal to 1" in cli.stdout

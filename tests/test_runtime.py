@@ -1,0 +1,81 @@
+"""The training runtime's parts, in process: datasets, models, schedule (one torch import for all)."""
+
+import math
+
+import pytest
+import torch
+
+from service.errors import InvalidRequest
+from service.jobs.spec import JobSpec, OptimizerConfig
+from tests.conftest import mlp_spec
+from worker.train.data import build_dataset
+from worker.train.models import build_model, loss_fn
+from worker.train.optim import lr_at
+
+GPT = {"type": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "seq_len": 8, "vocab_size": 256}
+
+
+@pytest.mark.parametrize("data,task,shape", [
+    ({"type": "synthetic_regression", "num_samples": 64, "input_dim": 5, "output_dim": 2}, "regression", (4, 2)),
+    ({"type": "synthetic_classification", "num_samples": 64, "input_dim": 5, "num_classes": 3},
+     "classification", (4, 3)),
+])
+def test_mlp_datasets_and_outputs(tmp_path, data, task, shape):
+    spec = JobSpec.model_validate(mlp_spec(data=data))
+    dataset, info = build_dataset(spec, tmp_path)
+    assert len(dataset) == 64 and info.task == task
+    x, y = dataset[:4]
+    out = build_model(spec.model, info)(x)
+    assert out.shape == shape
+    assert loss_fn(info.task, out, y).ndim == 0
+
+
+def test_text_dataset_is_byte_windows_of_the_file(tmp_path):
+    (tmp_path / "corpus.txt").write_text("héllo wörld! " * 20)
+    spec = JobSpec.model_validate(mlp_spec(model=GPT, data={"type": "text", "path": "corpus.txt"}))
+    dataset, info = build_dataset(spec, tmp_path)
+    raw = (tmp_path / "corpus.txt").read_bytes()
+    assert len(dataset) == (len(raw) - 1) // 8 and info.tokens_per_sample == 8
+    x, y = dataset[1]
+    assert bytes(x.tolist()) == raw[8:16] and bytes(y.tolist()) == raw[9:17]
+    logits = build_model(spec.model, info)(x[None])
+    assert logits.shape == (1, 8, 256)
+
+
+def test_text_dataset_refuses_paths_outside_the_data_dir(tmp_path):
+    spec = JobSpec.model_validate(mlp_spec(model=GPT, data={"type": "text", "path": "../x.txt"}))
+    with pytest.raises(InvalidRequest, match="outside the data directory"):
+        build_dataset(spec, tmp_path)
+
+
+def test_synthetic_lm_has_structure_to_learn(tmp_path):
+    spec = JobSpec.model_validate(mlp_spec(model={**GPT, "vocab_size": 32},
+                                           data={"type": "synthetic_lm", "num_samples": 200, "branching": 2}))
+    dataset, _ = build_dataset(spec, tmp_path)
+    x, y = dataset[0]
+    assert x.shape == y.shape == (8,) and torch.equal(x[1:], y[:-1])
+    # Each token has 2 likely successors: the best bigram guess is right far above chance (1/32).
+    tokens = dataset.tokens
+    pairs = torch.zeros(32, 32)
+    pairs.index_put_((tokens[:-1], tokens[1:]), torch.ones(len(tokens) - 1), accumulate=True)
+    assert (pairs.max(dim=1).values.sum() / pairs.sum()).item() > 0.4
+
+
+def test_gpt_is_causal(tmp_path):
+    torch.manual_seed(0)
+    spec = JobSpec.model_validate(mlp_spec(model=GPT, data={"type": "synthetic_lm", "num_samples": 4}))
+    model = build_model(spec.model, build_dataset(spec, tmp_path)[1])
+    a = torch.randint(0, 256, (1, 8))
+    b = a.clone()
+    b[0, 5:] = (b[0, 5:] + 1) % 256
+    assert torch.allclose(model(a)[0, :5], model(b)[0, :5], atol=1e-6)
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth():
+    cfg = OptimizerConfig(lr=1.0, schedule="cosine", warmup_steps=10)
+    assert lr_at(cfg, 0, 100) == pytest.approx(0.1)
+    assert lr_at(cfg, 9, 100) == pytest.approx(1.0)
+    assert lr_at(cfg, 10, 100) == pytest.approx(1.0)
+    assert lr_at(cfg, 100, 100) == pytest.approx(0.1)
+    assert lr_at(OptimizerConfig(lr=0.5), 1000, 10) == 0.5
+    assert all(math.isfinite(lr_at(cfg, s, 100)) for s in range(200))
