@@ -67,8 +67,10 @@ def main() -> None:
     ratios, e2e, bare_sps, svc_sps = [], [], [], []
     with bench_stack() as (_stack, api):
         for i in range(args.rounds):
-            bare = run_bare(spec)
-            svc = run_service(api, spec)
+            if i % 2 == 0:  # alternate which goes first, so drift does not favour either
+                bare, svc = run_bare(spec), run_service(api, spec)
+            else:
+                svc, bare = run_service(api, spec), run_bare(spec)
             ratios.append(svc["samples_per_s"] / bare["samples_per_s"])
             e2e.append(bare["wall_s"] / svc["wall_s"])
             bare_sps.append(bare["samples_per_s"])
