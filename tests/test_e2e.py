@@ -11,7 +11,7 @@ import pytest
 from service.settings import Settings
 from service.stack import Stack
 from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables, mlp_spec
-from tests.helpers import processes_of, wait_for, wait_terminal
+from tests.helpers import free_port, processes_of, wait_for, wait_terminal
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +28,6 @@ def api(stack):
     with httpx.Client(base_url=stack.api_url, timeout=10) as client:
         yield client
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cli_submit_follow_runs_ddp_job_to_success_with_metrics_and_logs(stack, api, tmp_path):

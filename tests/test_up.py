@@ -10,13 +10,7 @@ import httpx
 import psutil
 
 from tests.conftest import mlp_spec
-from tests.helpers import wait_for, wait_terminal
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port, wait_for, wait_terminal
 
 
 def test_up_on_sqlite_with_embedded_redis_runs_a_job_and_stops_everything(tmp_path):
