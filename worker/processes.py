@@ -3,6 +3,7 @@
 import ctypes
 import logging
 import signal
+import subprocess
 import time
 
 import psutil
@@ -59,7 +60,7 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def stop_all(root: psutil.Popen | object, tag: str, grace_s: float) -> list[int]:
+def stop_all(root: subprocess.Popen, tag: str, grace_s: float) -> list[int]:
     """SIGTERM torchrun (it forwards to its ranks), wait `grace_s`, SIGKILL whatever is left.
 
     Returns the pids that were still alive and got SIGKILL. Ends only when none is alive.

@@ -62,12 +62,12 @@ class LogShipper:
         if not self.pending:
             return
         text, room = self.pending, self.max_bytes - self.offset
-        if len(text.encode()) > room:
+        self.truncated = len(text.encode()) > room
+        if self.truncated:  # keep what fits, say so once, and store nothing after it
             text = text.encode()[: max(0, room)].decode(errors="ignore")
             text += f"\n[trainjobs] log truncated at {self.max_bytes} bytes\n"
         self._written = logs.append(db, job_id=self.job_id, attempt=self.attempt, start=self.offset,
                                     seq=self.seq, text=text)
-        self.truncated = text is not self.pending
 
     def committed(self) -> None:
         if self._written:
