@@ -41,7 +41,7 @@ BAD_FIELDS = [
     ("train.max_steps", 1.5),
     ("model.type", "resnet"),
     ("model.hidden", [0]),
-    ("strategy", "fsdp"),
+    ("fsdp.mixed_precision", "fp8"),
     ("strategy", "auto"),
     ("strategy", "horovod"),
     ("priority", "urgent"),
@@ -63,8 +63,8 @@ def test_bad_field_is_422_naming_it_and_writes_nothing(client, settings, path, v
     assert count_jobs(settings.database_url) == 0
 
 
-def test_fsdp_is_refused_with_a_clear_message(client):
-    detail = client.post("/v1/jobs", json=mlp_spec(strategy="fsdp")).json()["detail"]
+def test_auto_is_refused_with_a_clear_message(client):
+    detail = client.post("/v1/jobs", json=mlp_spec(strategy="auto")).json()["detail"]
     assert "not available yet" in detail[0]["msg"]
 
 

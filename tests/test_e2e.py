@@ -115,3 +115,15 @@ def test_cli_reports_a_bad_spec_naming_the_field(stack, tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2
     assert "body.data.synthetic_regression.batch_size" in cli.stdout and "greater than or equal to 1" in cli.stdout
+
+
+def test_fsdp_gpt_job_runs_through_the_service(api):
+    spec = mlp_spec(strategy="fsdp", model={"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16},
+                    data={"type": "synthetic_lm", "num_samples": 256, "batch_size": 8},
+                    train={"max_steps": 30, "log_every": 5})
+    job = wait_terminal(api, api.post("/v1/jobs", json=spec).json()["id"])
+    assert job["status"] == "succeeded", job["error"]
+    assert job["summary"]["tokens_per_s"] > 0
+    loss = api.get(f"/v1/jobs/{job['id']}/metrics", params={"name": "loss"}).json()["series"][0]["values"]
+    assert loss[-1] < loss[0]
+    assert "fsdp on 2 x cpu" in api.get(f"/v1/jobs/{job['id']}/logs").text

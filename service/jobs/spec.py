@@ -106,6 +106,14 @@ class OptimizerConfig(_Strict):
     grad_clip: float | None = Field(None, gt=0)
 
 
+class FSDPConfig(_Strict):
+    """FSDP2 (fully_shard) options: each block is sharded, then the root."""
+
+    mixed_precision: Literal["bf16", "fp16", "fp32"] | None = Field(
+        None, description="default: bf16 on CUDA, fp32 on CPU")
+    reshard_after_forward: bool = True
+
+
 class TrainConfig(_Strict):
     max_steps: int = Field(100, ge=1, le=100_000_000)
     log_every: int = Field(10, ge=1, le=1_000_000)
@@ -133,14 +141,15 @@ class JobSpec(_Strict):
     priority: Literal["high", "normal", "low"] = "normal"
     max_retries: int = Field(0, ge=0, le=10)
     timeout_s: float = Field(3600, gt=0, le=7 * 24 * 3600)
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     fault_injection: FaultInjection | None = None
 
     @field_validator("strategy")
     @classmethod
     def _strategy_available(cls, value: str) -> str:
-        # NOTE: never run an unsupported strategy silently as DDP.
-        if value != "ddp":
-            raise ValueError(f"strategy {value!r} is not available yet; use 'ddp'")
+        # NOTE: never run an unsupported strategy silently as another one.
+        if value == "auto":
+            raise ValueError("strategy 'auto' (chosen from the memory plan) is not available yet; use 'ddp' or 'fsdp'")
         return value
 
     @model_validator(mode="after")

@@ -24,7 +24,7 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
     d = init_distributed(spec.resources.device)
     torch.manual_seed(spec.train.seed)  # the same initial weights on every rank
     dataset, info = build_dataset(spec, data_dir)
-    model = apply_strategy(build_model(spec.model, info), spec.strategy, d)
+    model = apply_strategy(build_model(spec.model, info), spec.strategy, d, spec.fsdp)
     optimizer = build_optimizer(spec.optimizer, model)
     torch.manual_seed(spec.train.seed + d.rank)  # then per-rank randomness
     # drop_last keeps every rank's batch the same size, so the mean of rank means is the global mean.
@@ -61,6 +61,8 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards
+                grad_norm = grad_norm.full_tensor()
             optimizer.step()
             step += 1
             if step % log_every == 0 or step == max_steps:

@@ -1,14 +1,36 @@
 """Wrap a model for its strategy. One place holds each policy; models only say what they are."""
 
+import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from service.jobs.spec import FSDPConfig
 from worker.train.distributed import Dist
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-def apply_strategy(model: nn.Module, strategy: str, d: Dist) -> nn.Module:
+
+def apply_strategy(model: nn.Module, strategy: str, d: Dist, fsdp: FSDPConfig) -> nn.Module:
     model = model.to(d.device)
     if strategy == "ddp":
         # DDP broadcasts rank 0's parameters at construction and averages gradients in backward.
         return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    if strategy == "fsdp":
+        return apply_fsdp(model, d, fsdp)
     raise ValueError(f"strategy {strategy!r} is not supported by this worker")
+
+
+def apply_fsdp(model: nn.Module, d: Dist, cfg: FSDPConfig) -> nn.Module:
+    """FSDP2: shard each block of `model.layers`, then the root (embeddings, head, the rest).
+
+    Every rank starts from the same seeded weights, so sharding them needs no broadcast.
+    """
+    precision = cfg.mixed_precision or ("bf16" if d.device.type == "cuda" else "fp32")
+    # Gradients are reduced in fp32 whatever the compute precision: the average stays exact enough.
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    # The root's parameters are needed again right at the start of backward: keep them gathered.
+    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+    return model
