@@ -9,10 +9,9 @@ from pathlib import Path
 
 import httpx
 
+from service.jobs.status import TERMINAL
 from service.settings import Settings
 from service.stack import Stack
-
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def free_port() -> int:

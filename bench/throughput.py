@@ -22,6 +22,7 @@ import psutil  # noqa: E402
 
 from bench.common import TERMINAL, bench_stack  # noqa: E402
 from service.jobs.spec import JobSpec  # noqa: E402
+from worker import launch  # noqa: E402
 
 SPEC = {
     "name": "bench-throughput",
@@ -35,18 +36,19 @@ SPEC = {
 
 
 def run_bare(spec: dict) -> dict:
+    """The same command line and environment the worker would use, without the service around it."""
+    job_spec = JobSpec.model_validate(spec)
     with tempfile.TemporaryDirectory(prefix="trainjobs-bare-") as tmp:
         run_dir = Path(tmp)
         (run_dir / "tmp").mkdir()
-        (run_dir / "spec.json").write_text(JobSpec.model_validate(spec).model_dump_json())
-        env = dict(os.environ, TMPDIR=str(run_dir / "tmp"), TRAINJOBS_METRICS_FILE=str(run_dir / "m.jsonl"),
-                   OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // spec["resources"]["nproc_per_node"])))
+        (run_dir / launch.SPEC_FILE).write_text(job_spec.model_dump_json())
+        plan = launch.render(job_spec, job_id="bare", attempt=0, run_dir=run_dir, python=sys.executable,
+                             data_dir=run_dir, shutdown_grace_s=5, base_env=launch.default_env(),
+                             cpu_count=os.cpu_count() or 1)
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                        "--nproc-per-node", str(spec["resources"]["nproc_per_node"]), "--max-restarts", "0",
-                        "-m", "worker.train", str(run_dir)], env=env, check=True, capture_output=True)
+        subprocess.run(plan.argv, env=plan.env, check=True, capture_output=True)
         wall = time.perf_counter() - t0
-        records = [json.loads(line) for line in (run_dir / "m.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = next(r["summary"] for r in records if r["type"] == "summary")
     return {"samples_per_s": summary["samples_per_s"], "wall_s": wall}
 

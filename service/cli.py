@@ -15,9 +15,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from service.client import APIError, Client
+from service.jobs.status import TERMINAL, JobStatus
 from service.settings import Settings, get_settings
 
-TERMINAL = ("succeeded", "failed", "cancelled")
 console = Console()
 
 
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("job_id")
         p.set_defaults(remote=fn)
     ls = sub.add_parser("list", help="recent jobs, newest first")
-    ls.add_argument("--status", choices=["queued", "starting", "running", "succeeded", "failed", "cancelled"])
+    ls.add_argument("--status", choices=[s.value for s in JobStatus])
     ls.add_argument("--limit", type=int, default=20)
     ls.set_defaults(remote=cmd_list)
     logs = sub.add_parser("logs", help="a job's combined output")

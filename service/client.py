@@ -5,6 +5,8 @@ from collections.abc import Iterator
 
 import httpx
 
+from service.jobs.status import TERMINAL
+
 
 class APIError(Exception):
     def __init__(self, status: int, detail):
@@ -58,7 +60,7 @@ class Client:
             text, offset, status = self.logs(job_id, offset)
             if text:
                 yield text
-            elif status in ("succeeded", "failed", "cancelled"):
+            elif status in TERMINAL:
                 return
             else:
                 time.sleep(poll_s)

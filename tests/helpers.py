@@ -1,7 +1,6 @@
 """Shared helpers for tests that run real jobs."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -11,9 +10,9 @@ from pathlib import Path
 import httpx
 import psutil
 
+from service.jobs.status import TERMINAL
+from worker import launch
 from worker.launch import RUN_TAG_ENV
-
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def free_port() -> int:
@@ -55,16 +54,17 @@ def processes_of(job_id: str) -> list[psutil.Process]:
     return found
 
 
-def run_torchrun(spec: dict, run_dir: Path, nproc: int) -> list[dict]:
-    """Run the training runtime under a bare torchrun; returns its reporter records."""
+def run_torchrun(spec: dict, run_dir: Path) -> list[dict]:
+    """Run the training runtime under torchrun without the service; returns its reporter records."""
     from service.jobs.spec import JobSpec
 
+    job_spec = JobSpec.model_validate(spec)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "tmp").mkdir(exist_ok=True)
-    (run_dir / "spec.json").write_text(JobSpec.model_validate(spec).model_dump_json())
-    env = dict(os.environ, TMPDIR=str(run_dir / "tmp"), TRAINJOBS_METRICS_FILE=str(run_dir / "metrics.jsonl"),
-               OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                    "--nproc-per-node", str(nproc), "--max-restarts", "0", "-m", "worker.train", str(run_dir)],
-                   env=env, check=True, capture_output=True, timeout=180)
+    (run_dir / launch.SPEC_FILE).write_text(job_spec.model_dump_json())
+    # The service's own command line; cpu_count=nproc gives each rank one thread, as on a busy CI box.
+    plan = launch.render(job_spec, job_id="bare", attempt=0, run_dir=run_dir, python=sys.executable,
+                         data_dir=run_dir, shutdown_grace_s=5, base_env=launch.default_env(),
+                         cpu_count=job_spec.resources.nproc_per_node)
+    subprocess.run(plan.argv, env=plan.env, check=True, capture_output=True, timeout=180)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -22,9 +22,9 @@ def test_ddp_and_fsdp_on_two_ranks_match_one_rank_with_the_same_global_batch(tmp
         return mlp_spec(strategy=strategy, model=model, data={**data, "batch_size": 32 // nproc}, train=train,
                         resources={"nproc_per_node": nproc})
 
-    one = losses(run_torchrun(spec("ddp", 1), tmp_path / "one", nproc=1))
-    ddp = losses(run_torchrun(spec("ddp", 2), tmp_path / "ddp", nproc=2))
-    fsdp = losses(run_torchrun(spec("fsdp", 2), tmp_path / "fsdp", nproc=2))
+    one = losses(run_torchrun(spec("ddp", 1), tmp_path / "one"))
+    ddp = losses(run_torchrun(spec("ddp", 2), tmp_path / "ddp"))
+    fsdp = losses(run_torchrun(spec("fsdp", 2), tmp_path / "fsdp"))
     assert len(one) == len(ddp) == len(fsdp) == 25
     assert one[-1] < one[0]  # it learns, so the match is not trivial
     assert ddp == pytest.approx(one, abs=1e-5, rel=0)
