@@ -43,8 +43,8 @@ def run_bare(spec: dict) -> dict:
         (run_dir / "tmp").mkdir()
         (run_dir / launch.SPEC_FILE).write_text(job_spec.model_dump_json())
         plan = launch.render(job_spec, job_id="bare", attempt=0, run_dir=run_dir, python=sys.executable,
-                             data_dir=run_dir, shutdown_grace_s=5, base_env=launch.default_env(),
-                             cpu_count=os.cpu_count() or 1)
+                             data_dir=run_dir, job_dir=run_dir / "storage", shutdown_grace_s=5,
+                             base_env=launch.default_env(), cpu_count=os.cpu_count() or 1)
         t0 = time.perf_counter()
         subprocess.run(plan.argv, env=plan.env, check=True, capture_output=True)
         wall = time.perf_counter() - t0

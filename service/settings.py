@@ -14,6 +14,9 @@ class Settings(BaseSettings):
 
     data_dir: Path = Path("./trainjobs-data")
     database_url: str | None = None  # default: SQLite in data_dir
+    storage_dir: Path | None = None  # checkpoints and artifacts, one folder per job; default: data_dir/storage
+    scripts_dir: Path | None = None  # entrypoint scripts are resolved inside it; default: data_dir/scripts
+    allow_entrypoints: bool = False  # a worker runs users' own code only when told to
     redis_url: str = "redis://127.0.0.1:6379/0"
     api_url: str = "http://127.0.0.1:8000"
     queue_prefix: str = "trainjobs"
@@ -31,6 +34,14 @@ class Settings(BaseSettings):
         if self.database_url:
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'trainjobs.db').resolve()}"
+
+    @property
+    def resolved_storage_dir(self) -> Path:
+        return (self.storage_dir or self.data_dir / "storage").resolve()
+
+    @property
+    def resolved_scripts_dir(self) -> Path:
+        return (self.scripts_dir or self.data_dir / "scripts").resolve()
 
     @property
     def runs_dir(self) -> Path:

@@ -54,8 +54,12 @@ def processes_of(job_id: str) -> list[psutil.Process]:
     return found
 
 
-def run_torchrun(spec: dict, run_dir: Path) -> list[dict]:
-    """Run the training runtime under torchrun without the service; returns its reporter records."""
+def run_torchrun(spec: dict, run_dir: Path, *, attempt: int = 1, job_dir: Path | None = None,
+                 check: bool = True) -> list[dict]:
+    """Run the training runtime under torchrun without the service; returns its reporter records.
+
+    job_dir (checkpoints, artifacts) defaults to run_dir/storage; pass the same one to resume.
+    """
     from service.jobs.spec import JobSpec
 
     job_spec = JobSpec.model_validate(spec)
@@ -63,8 +67,11 @@ def run_torchrun(spec: dict, run_dir: Path) -> list[dict]:
     (run_dir / "tmp").mkdir(exist_ok=True)
     (run_dir / launch.SPEC_FILE).write_text(job_spec.model_dump_json())
     # The service's own command line; cpu_count=nproc gives each rank one thread, as on a busy CI box.
-    plan = launch.render(job_spec, job_id="bare", attempt=0, run_dir=run_dir, python=sys.executable,
-                         data_dir=run_dir, shutdown_grace_s=5, base_env=launch.default_env(),
-                         cpu_count=job_spec.resources.nproc_per_node)
-    subprocess.run(plan.argv, env=plan.env, check=True, capture_output=True, timeout=180)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    plan = launch.render(job_spec, job_id="bare", attempt=attempt, run_dir=run_dir, python=sys.executable,
+                         data_dir=run_dir, job_dir=job_dir or run_dir / "storage", shutdown_grace_s=5,
+                         base_env=launch.default_env(), cpu_count=job_spec.resources.nproc_per_node)
+    done = subprocess.run(plan.argv, env=plan.env, capture_output=True, timeout=180)
+    if check and done.returncode != 0:
+        raise AssertionError(f"torchrun exited {done.returncode}:\n{done.stdout.decode()[-4000:]}")
+    metrics = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []

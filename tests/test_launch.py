@@ -9,7 +9,8 @@ from worker import launch
 
 def render(spec: dict, **kw):
     return launch.render(JobSpec.model_validate(spec), job_id="0123456789abcdef0123", attempt=2,
-                         run_dir=Path("/runs/x"), python="/py", data_dir=Path("/data"), shutdown_grace_s=7,
+                         run_dir=Path("/runs/x"), python="/py", data_dir=Path("/data"),
+                         job_dir=Path("/storage/jobs/x"), shutdown_grace_s=7,
                          base_env={"PATH": "/bin"}, cpu_count=8, **kw)
 
 

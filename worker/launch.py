@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.jobs.spec import JobSpec
+from service.storage import ARTIFACTS, CHECKPOINTS
 
 SPEC_FILE = "spec.json"  # in the run dir: the resolved spec the ranks read
 RUN_TAG_ENV = "TRAINJOBS_RUN_TAG"  # every process of an attempt carries it: how cancel finds them all
@@ -28,6 +29,7 @@ def render(
     run_dir: Path,
     python: str,
     data_dir: Path,
+    job_dir: Path,
     shutdown_grace_s: float,
     base_env: dict[str, str],
     cpu_count: int,
@@ -44,7 +46,11 @@ def render(
     env = dict(base_env)
     env.update({
         RUN_TAG_ENV: run_tag(job_id, attempt),
+        "TRAINJOBS_JOB_ID": job_id,
+        "TRAINJOBS_ATTEMPT": str(attempt),
         "TRAINJOBS_DATA_DIR": str(data_dir.resolve()),
+        "TRAINJOBS_CHECKPOINT_DIR": str(job_dir / CHECKPOINTS),
+        "TRAINJOBS_ARTIFACTS_DIR": str(job_dir / ARTIFACTS),
         "TRAINJOBS_METRICS_FILE": str(run_dir / "metrics.jsonl"),
         "TORCHELASTIC_ERROR_FILE": str(run_dir / "error.json"),
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, int(shutdown_grace_s))),

@@ -14,6 +14,7 @@ from pathlib import Path
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
+from service import storage
 from service.db import utcnow
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
@@ -52,7 +53,8 @@ class Supervisor:
     def run(self) -> Outcome:
         plan = launch.render(
             self.spec, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir, python=sys.executable,
-            data_dir=self.settings.data_dir, shutdown_grace_s=self.settings.cancel_grace_s,
+            data_dir=self.settings.data_dir, job_dir=storage.job_dir(self.settings, self.job_id),
+            shutdown_grace_s=self.settings.cancel_grace_s,
             base_env=launch.default_env(), cpu_count=os.cpu_count() or 1,
         )
         (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ def resolve_data_path(path: str, data_dir: Path) -> Path:
 
 def check_inputs(spec: JobSpec, *, data_dir: Path) -> None:
     """What the spec alone cannot know: that its files exist where the workers will look."""
-    if spec.data.type == "text":
+    if spec.data is not None and spec.data.type == "text":
         path = resolve_data_path(spec.data.path, data_dir)
         if not path.is_file():
             raise InvalidRequest(f"data.path {spec.data.path!r} is not a file under the data directory",

@@ -16,6 +16,8 @@ class Resources(_Strict):
     nnodes: int = Field(1, ge=1, le=1024)
     nproc_per_node: int = Field(1, ge=1, le=64)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
+    gpu_memory_gb: float | None = Field(
+        None, gt=0, le=10_000, description="memory per device for the plan; default: what live workers report")
 
     @field_validator("nnodes")
     @classmethod
@@ -112,12 +114,20 @@ class FSDPConfig(_Strict):
     mixed_precision: Literal["bf16", "fp16", "fp32"] | None = Field(
         None, description="default: bf16 on CUDA, fp32 on CPU")
     reshard_after_forward: bool = True
+    activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward")
+    cpu_offload: bool = Field(False, description="keep sharded parameters and optimizer state in host memory")
 
 
 class TrainConfig(_Strict):
     max_steps: int = Field(100, ge=1, le=100_000_000)
     log_every: int = Field(10, ge=1, le=1_000_000)
     seed: int = Field(0, ge=0, le=2**32 - 1)
+    grad_accum_steps: int = Field(1, ge=1, le=1024, description="micro-batches per optimizer step")
+    eval_every: int | None = Field(None, ge=1, le=100_000_000, description="steps between evaluations")
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="share of the data held out for evaluation")
+    eval_batches: int = Field(16, ge=1, le=100_000, description="batches per rank in one evaluation")
+    checkpoint_every: int | None = Field(None, ge=1, le=100_000_000, description="steps between checkpoints")
+    keep_checkpoints: int = Field(2, ge=1, le=1000, description="complete checkpoints kept")
 
 
 class FaultInjection(_Strict):
@@ -126,6 +136,26 @@ class FaultInjection(_Strict):
     raise_at_step: int = Field(ge=0)
     rank: int = Field(0, ge=0)
     message: str = Field("injected fault", max_length=500)
+    attempt: int | None = Field(1, ge=1, description="only on this attempt (null: on every attempt)")
+
+
+class Entrypoint(_Strict):
+    """The user's own training code, run under torchrun instead of the built-in runtime."""
+
+    module: str | None = Field(None, max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+                               description="run as python -m MODULE")
+    script: str | None = Field(None, min_length=1, max_length=1024, description="relative to TRAINJOBS_SCRIPTS_DIR")
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_target(self):
+        if (self.module is None) == (self.script is None):
+            raise ValueError("entrypoint needs exactly one of 'module' or 'script'")
+        if self.script is not None:
+            parts = self.script.replace("\\", "/").split("/")
+            if self.script.startswith("/") or ".." in parts or "\0" in self.script:
+                raise ValueError("entrypoint.script must be a relative path inside the scripts directory")
+        return self
 
 
 class JobSpec(_Strict):
@@ -134,8 +164,9 @@ class JobSpec(_Strict):
     name: Name = "job"
     strategy: Literal["ddp", "fsdp", "auto"] = "ddp"
     resources: Resources = Field(default_factory=Resources)
-    model: ModelConfig
-    data: DataConfig
+    model: ModelConfig | None = None
+    data: DataConfig | None = None
+    entrypoint: Entrypoint | None = None
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     priority: Literal["high", "normal", "low"] = "normal"
@@ -154,6 +185,20 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _model_fits_data(self):
+        if self.fault_injection and self.fault_injection.rank >= self.world_size:
+            raise ValueError(f"fault_injection.rank must be below the world size ({self.world_size})")
+        if self.fsdp.cpu_offload and self.resources.device == "cpu":
+            raise ValueError("fsdp.cpu_offload needs resources.device 'cuda' (on CPU everything is in host memory)")
+        if self.entrypoint is not None:
+            if self.model is not None or self.data is not None:
+                raise ValueError("a job with an entrypoint runs its own code: give no model or data")
+            if self.strategy == "auto":
+                raise ValueError("strategy 'auto' needs a model to plan; an entrypoint job names ddp or fsdp")
+            if self.fault_injection is not None:
+                raise ValueError("fault_injection works only in the built-in runtime, not with an entrypoint")
+            return self
+        if self.model is None or self.data is None:
+            raise ValueError("a job needs a model and data (or an entrypoint with your own code)")
         is_lm = self.data.type in LM_DATA
         if is_lm and self.model.type != "gpt":
             raise ValueError(f"data.type {self.data.type!r} is language modelling and needs model.type 'gpt'")
@@ -161,8 +206,6 @@ class JobSpec(_Strict):
             raise ValueError(f"model.type 'gpt' needs language-model data ({', '.join(LM_DATA)})")
         if self.data.type == "text" and self.model.vocab_size < 256:
             raise ValueError("data.type 'text' is byte-level: model.vocab_size must be at least 256")
-        if self.fault_injection and self.fault_injection.rank >= self.world_size:
-            raise ValueError(f"fault_injection.rank must be below the world size ({self.world_size})")
         return self
 
     @property
