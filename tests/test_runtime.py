@@ -79,3 +79,45 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth():
     assert lr_at(cfg, 100, 100) == pytest.approx(0.1)
     assert lr_at(OptimizerConfig(lr=0.5), 1000, 10) == 0.5
     assert all(math.isfinite(lr_at(cfg, s, 100)) for s in range(200))
+
+
+def test_gradient_accumulation_skips_the_ddp_all_reduce_on_inner_micro_batches(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from worker.train.main import gradient_sync
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = DDP(torch.nn.Linear(4, 1))
+        calls = []
+
+        def counting_hook(state, bucket):
+            calls.append(bucket.index())
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        model.register_comm_hook(None, counting_hook)
+        for micro in range(3):
+            with gradient_sync(model, enabled=micro == 2):
+                model(torch.randn(2, 4)).sum().backward()
+            assert len(calls) == (1 if micro == 2 else 0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mfu_counts_6n_per_token_plus_attention_over_the_device_peak(monkeypatch):
+    from worker.train.flops import PEAK_FLOPS_ENV, flops_per_sample, mfu, peak_flops
+
+    spec = JobSpec.model_validate(mlp_spec(model=GPT, data={"type": "synthetic_lm"}))
+    n, emb = 10_000, 2_000
+    per_token = 6 * (n - emb) + 12 * GPT["n_layer"] * GPT["d_model"] * GPT["seq_len"]
+    assert flops_per_sample(spec.model, n, emb) == per_token * GPT["seq_len"]
+    monkeypatch.delenv(PEAK_FLOPS_ENV, raising=False)
+    assert peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("NVIDIA A10") == 125e12
+    assert peak_flops("Some Future Chip") is None  # then no mfu rather than a made-up one
+    monkeypatch.setenv(PEAK_FLOPS_ENV, "1e15")
+    assert peak_flops("Some Future Chip") == 1e15
+    assert mfu(samples_per_s=100, flops_sample=1e12, peak=1e15, world_size=2) == pytest.approx(0.05)

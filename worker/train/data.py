@@ -1,11 +1,12 @@
 """The dataset registry: synthetic sets made from a seed, and byte-level text from a local file."""
 
+import itertools
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
 from service.jobs.service import resolve_data_path
 from service.jobs.spec import DataConfig, JobSpec
@@ -67,3 +68,57 @@ def build_dataset(spec: JobSpec, data_dir: Path) -> tuple[Dataset, DataInfo]:
             raise ValueError(f"data.path has {len(raw)} bytes; seq_len {seq_len} needs at least {seq_len + 1}")
         tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
     return TokenWindows(tokens, seq_len), DataInfo("lm", tokens_per_sample=seq_len)
+
+
+def split_eval(dataset: Dataset, fraction: float | None) -> tuple[Dataset, Dataset | None]:
+    """Hold out the last `fraction` of the samples (a fixed split, the same on every rank and attempt)."""
+    if fraction is None:
+        return dataset, None
+    n_eval = max(1, int(len(dataset) * fraction))
+    n_train = len(dataset) - n_eval
+    return Subset(dataset, range(n_train)), Subset(dataset, range(n_train, len(dataset)))
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start part-way into an epoch (to resume a checkpoint exactly)."""
+
+    skip = 0  # samples of this rank's slice to skip, for the current epoch only
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return super().__len__() - self.skip
+
+
+class BatchStream:
+    """Batches without end, epoch after epoch (set_epoch each time), counting where it stands."""
+
+    def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
+                 epoch: int = 0, batches_in_epoch: int = 0):
+        # drop_last keeps every rank's batch the same size, so the mean of rank means is the global mean.
+        self.sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                        drop_last=True)
+        self.batch_size = batch_size
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True)
+        self.batches_per_epoch = self.sampler.num_samples // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"dataset of {len(dataset)} samples gives no full batch of {batch_size} "
+                             f"per rank over {world_size} ranks")
+        self.epoch, self.batches_in_epoch = epoch, batches_in_epoch
+        self._it = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while True:
+            if self._it is None:
+                self.sampler.set_epoch(self.epoch)
+                self.sampler.skip = self.batches_in_epoch * self.batch_size
+                self._it = iter(self.loader)
+            batch = next(self._it, None)
+            if batch is not None:
+                self.batches_in_epoch += 1
+                return batch
+            self.epoch, self.batches_in_epoch, self._it = self.epoch + 1, 0, None

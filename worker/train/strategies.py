@@ -2,7 +2,8 @@
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from service.jobs.spec import FSDPConfig
@@ -29,8 +30,19 @@ def apply_fsdp(model: nn.Module, d: Dist, cfg: FSDPConfig) -> nn.Module:
     precision = cfg.mixed_precision or ("bf16" if d.device.type == "cuda" else "fp32")
     # Gradients are reduced in fp32 whatever the compute precision: the average stays exact enough.
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    offload = OffloadPolicy()
+    if cfg.cpu_offload:
+        if d.device.type == "cuda":
+            offload = CPUOffloadPolicy()
+        elif d.is_main:
+            print("[trainjobs] fsdp.cpu_offload ignored: this job runs on CPU", flush=True)
+    if cfg.activation_checkpointing:
+        # NOTE: the wrapper strips its own prefix from state dict keys, so checkpoints and the final
+        # model file have the same names with and without it.
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
     for block in model.layers:
-        fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(block, mp_policy=mp, offload_policy=offload, reshard_after_forward=cfg.reshard_after_forward)
     # The root's parameters are needed again right at the start of backward: keep them gathered.
-    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
     return model

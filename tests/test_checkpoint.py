@@ -1,0 +1,81 @@
+"""Checkpoints: an interrupted run resumes from its newest complete checkpoint onto the same trajectory."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from service.jobs.spec import JobSpec
+from tests.conftest import mlp_spec
+from tests.helpers import run_torchrun
+from worker.train.checkpoint import COMPLETE, complete_checkpoints
+from worker.train.data import build_dataset
+from worker.train.models import build_model
+
+GPT = {"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 16, "seq_len": 8, "vocab_size": 32}
+
+
+def losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["metrics"]["loss"] for r in records if r["type"] == "metrics"}
+
+
+def summary(records: list[dict]) -> dict:
+    return next(r["summary"] for r in records if r["type"] == "summary")
+
+
+@pytest.mark.parametrize("strategy,extra", [
+    ("ddp", {"model": {"type": "mlp", "hidden": [16, 16]},
+             "data": {"type": "synthetic_regression", "num_samples": 256, "batch_size": 16}}),
+    ("fsdp", {"model": GPT, "data": {"type": "synthetic_lm", "num_samples": 256, "batch_size": 8},
+              "optimizer": {"lr": 0.01, "schedule": "cosine", "warmup_steps": 3}}),
+], ids=["ddp-mlp", "fsdp-gpt"])
+def test_a_run_interrupted_after_a_checkpoint_resumes_onto_the_same_losses(tmp_path, strategy, extra):
+    # 256 samples over 2 ranks of 16 (or 8) is 8 (16) batches an epoch: step 10 is mid-epoch 2.
+    train = {"max_steps": 16, "log_every": 1, "seed": 5, "checkpoint_every": 4, "keep_checkpoints": 2}
+    spec = mlp_spec(strategy=strategy, train=train, **extra)
+    whole = run_torchrun(spec, tmp_path / "whole")
+
+    storage = tmp_path / "job"
+    faulty = {**spec, "fault_injection": {"raise_at_step": 10, "rank": 1, "message": "preempted"}}
+    first = run_torchrun(faulty, tmp_path / "attempt-1", attempt=1, job_dir=storage, check=False)
+    assert max(losses(first)) == 10 and not any(r["type"] == "summary" for r in first)
+    assert [p.name for p in complete_checkpoints(storage / "checkpoints")] == ["step_00000004", "step_00000008"]
+    # A save that died half-way is newer, but is never loaded.
+    shutil.copytree(storage / "checkpoints" / "step_00000008", storage / "checkpoints" / "step_00000009")
+    (storage / "checkpoints" / "step_00000009" / COMPLETE).unlink()
+
+    second = run_torchrun(faulty, tmp_path / "attempt-2", attempt=2, job_dir=storage)  # the fault was attempt 1's
+    assert summary(second)["resumed_from_step"] == 8
+    resumed = losses(second)
+    assert sorted(resumed) == list(range(9, 17))
+    assert [resumed[s] for s in resumed] == pytest.approx([losses(whole)[s] for s in resumed], abs=1e-5, rel=0)
+    assert losses(first)[8] == pytest.approx(losses(whole)[8], abs=1e-6)
+    # keep_checkpoints: the two newest complete ones stay; the unfinished one is pruned.
+    assert sorted(p.name for p in (storage / "checkpoints").iterdir()) == ["step_00000012", "step_00000016"]
+
+
+def test_the_final_model_file_is_a_plain_state_dict_with_fsdp_and_activation_checkpointing(tmp_path):
+    spec = mlp_spec(strategy="fsdp", model=GPT, data={"type": "synthetic_lm", "num_samples": 128, "batch_size": 8},
+                    train={"max_steps": 6, "log_every": 3, "eval_every": 3, "eval_fraction": 0.25},
+                    fsdp={"activation_checkpointing": True})
+    records = run_torchrun(spec, tmp_path / "run")
+    evals = {r["step"]: r["metrics"]["eval_loss"] for r in records if "eval_loss" in r.get("metrics", {})}
+    assert sorted(evals) == [3, 6] and all(v > 0 for v in evals.values())
+    assert summary(records)["model_file"] == "model.pt"
+    job_spec = JobSpec.model_validate(spec)
+    state = torch.load(tmp_path / "run" / "storage" / "artifacts" / "model.pt", weights_only=True)
+    fresh = build_model(job_spec.model, build_dataset(job_spec, tmp_path)[1])
+    assert list(state) == list(fresh.state_dict())  # no "module." or checkpoint-wrapper prefixes
+    fresh.load_state_dict(state)
+    assert json.dumps(summary(records)["parameters"]) == str(sum(p.numel() for p in fresh.parameters()))
+
+
+def test_only_complete_checkpoints_count(tmp_path):
+    for step, complete in [(4, True), (12, True), (8, True), (16, False)]:
+        path = tmp_path / f"step_{step:08d}"
+        path.mkdir()
+        if complete:
+            (path / COMPLETE).write_text("{}")
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000004", "step_00000008", "step_00000012"]
+    assert complete_checkpoints(tmp_path / "missing") == []

@@ -1,0 +1,137 @@
+"""Checkpoints with torch.distributed.checkpoint: sharded for FSDP, the same code path for DDP.
+
+A checkpoint is a folder `step_00000120/` in the job's checkpoint dir holding the DCP shards (model
+and optimizer), `trainer.json` (step, epoch, position in the epoch) and one RNG file per rank. It
+counts only once rank 0 has written `COMPLETE`, after every rank finished writing: a job killed in
+the middle of a save resumes from the one before.
+"""
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from worker.train.distributed import Dist
+
+CHECKPOINT_DIR_ENV = "TRAINJOBS_CHECKPOINT_DIR"
+ARTIFACTS_DIR_ENV = "TRAINJOBS_ARTIFACTS_DIR"
+COMPLETE = "COMPLETE"
+PREFIX = "step_"
+
+
+@dataclass
+class Position:
+    """Where training stands: enough to continue exactly where a checkpoint left off."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0  # batches of this epoch already consumed
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob(f"{PREFIX}*") if (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+class Checkpointer:
+    def __init__(self, root: Path | None, d: Dist, *, every: int | None, keep: int):
+        self.root, self.d, self.every, self.keep = root, d, every, keep
+
+    def due(self, step: int) -> bool:
+        return self.root is not None and self.every is not None and step % self.every == 0
+
+    def latest(self) -> Path | None:
+        found = complete_checkpoints(self.root) if self.root else []
+        return found[-1] if found else None
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, position: Position) -> Path:
+        """Collective: every rank calls it at the same step."""
+        path = self.root / f"{PREFIX}{position.step:08d}"
+        if self.d.is_main and path.exists():  # a half-written one from an attempt that died saving
+            shutil.rmtree(path)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        torch.save(_rng_state(), path / f"rng_rank{self.d.rank}.pt")
+        if self.d.is_main:
+            (path / "trainer.json").write_text(json.dumps(asdict(position)))
+        dist.barrier()  # every rank has written its part
+        if self.d.is_main:
+            _write_atomic(path / COMPLETE, json.dumps({"step": position.step, "world_size": self.d.world_size}))
+            self._prune()
+        return path
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Position:
+        """Collective: restore model, optimizer, this rank's RNG and the position from `path`."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng_file = path / f"rng_rank{self.d.rank}.pt"
+        if rng_file.is_file():  # absent when the world size changed: the seeds then differ anyway
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        return Position(**json.loads((path / "trainer.json").read_text()))
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` complete checkpoints; drop older and unfinished ones."""
+        complete = complete_checkpoints(self.root)
+        newest = int(complete[-1].name[len(PREFIX):])
+        for path in complete[: -self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+        for path in self.root.glob(f"{PREFIX}*"):
+            if not (path / COMPLETE).exists() and int(path.name[len(PREFIX):]) < newest:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def save_model(model: nn.Module, d: Dist, artifacts_dir: Path | None) -> Path | None:
+    """Collective: gather the full state dict to rank 0, which writes `model.pt` (plain tensor names)."""
+    if artifacts_dir is None:
+        return None
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not d.is_main:
+        return None
+    artifacts_dir.mkdir(parents=True, exist_ok=True)
+    path = artifacts_dir / "model.pt"
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(full, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
