@@ -19,6 +19,10 @@ class JobNotFound(TrainjobsError):
         super().__init__(f"job {job_id!r} not found", field="job_id")
 
 
+class ArtifactNotFound(TrainjobsError):
+    status_code = 404
+
+
 class InvalidTransition(TrainjobsError):
     status_code = 409
 

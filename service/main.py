@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from redis import Redis
 
 from service import queue
+from service.artifacts.router import router as artifacts_router
 from service.db import make_engine, make_sessionmaker
 from service.errors import TrainjobsError
 from service.health import router as health_router
@@ -68,6 +69,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.exception("unhandled error", exc_info=exc)
         return JSONResponse(status_code=500, content={"detail": "internal error (a bug: please report it)"})
 
-    for router in (health_router, jobs_router, metrics_router, logs_router):
+    for router in (health_router, jobs_router, metrics_router, logs_router, artifacts_router):
         app.include_router(router)
     return app

@@ -1,0 +1,39 @@
+"""A job's output files (the final model, what an entrypoint script wrote): list and download."""
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse
+from pydantic import BaseModel
+
+from service import storage
+from service.deps import SessionDep, SettingsDep
+from service.errors import ArtifactNotFound
+from service.jobs import service as jobs
+
+router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
+
+
+class ArtifactPublic(BaseModel):
+    name: str
+    size: int
+    modified: float
+
+
+class ArtifactsPublic(BaseModel):
+    data: list[ArtifactPublic]
+    count: int
+
+
+@router.get("/{job_id}/artifacts")
+def list_artifacts(job_id: str, db: SessionDep, settings: SettingsDep) -> ArtifactsPublic:
+    jobs.get(db, job_id=job_id)
+    files = storage.list_artifacts(settings, job_id)
+    return ArtifactsPublic(data=[ArtifactPublic(**f) for f in files], count=len(files))
+
+
+@router.get("/{job_id}/artifacts/{name:path}", response_class=FileResponse)
+def download_artifact(job_id: str, name: str, db: SessionDep, settings: SettingsDep) -> FileResponse:
+    jobs.get(db, job_id=job_id)
+    path = storage.artifact_path(settings, job_id, name)
+    if not path.is_file():
+        raise ArtifactNotFound(f"job {job_id} has no artifact {name!r}", field="name")
+    return FileResponse(path, filename=path.name, media_type="application/octet-stream")

@@ -1,0 +1,50 @@
+"""A job's artifacts over HTTP: listed, downloaded, and never a path outside the job's folder."""
+
+import pytest
+
+from service import storage
+from tests.conftest import mlp_spec
+
+
+@pytest.fixture
+def job_with_files(client, settings, tmp_path):
+    job = client.post("/v1/jobs", json=mlp_spec()).json()
+    root = storage.artifacts_dir(settings, job["id"])
+    (root / "plots").mkdir(parents=True)
+    (root / "model.pt").write_bytes(b"\x00weights\xff")
+    (root / "plots" / "loss.csv").write_text("step,loss\n1,0.5\n")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not yours")
+    (root / "escape").symlink_to(secret)  # a link out of the folder is neither listed nor served
+    return job["id"]
+
+
+def test_artifacts_are_listed_with_their_sizes(client, job_with_files):
+    body = client.get(f"/v1/jobs/{job_with_files}/artifacts").json()
+    assert body["count"] == 2
+    assert [(f["name"], f["size"]) for f in body["data"]] == [("model.pt", 9), ("plots/loss.csv", 16)]
+
+
+def test_an_artifact_downloads_byte_for_byte(client, job_with_files):
+    r = client.get(f"/v1/jobs/{job_with_files}/artifacts/model.pt")
+    assert r.status_code == 200 and r.content == b"\x00weights\xff"
+    assert client.get(f"/v1/jobs/{job_with_files}/artifacts/plots/loss.csv").text.startswith("step,loss")
+
+
+@pytest.mark.parametrize("name", ["%2E%2E%2F%2E%2E%2Fsecret.txt", "plots%2F..%2F..%2Fx", "escape"])
+def test_names_that_leave_the_job_folder_are_refused(client, job_with_files, name):
+    r = client.get(f"/v1/jobs/{job_with_files}/artifacts/{name}")
+    assert r.status_code == 422 and r.json()["field"] == "name"
+    assert "not yours" not in r.text
+
+
+def test_missing_artifacts_and_jobs_are_404(client, job_with_files):
+    r = client.get(f"/v1/jobs/{job_with_files}/artifacts/nope.bin")
+    assert r.status_code == 404 and r.json()["field"] == "name"
+    assert client.get("/v1/jobs/0123456789abcdef0123/artifacts").status_code == 404
+    assert client.get("/v1/jobs/..%2F..%2Fetc/artifacts").status_code == 404
+
+
+def test_a_job_without_artifacts_lists_none(client):
+    job = client.post("/v1/jobs", json=mlp_spec()).json()
+    assert client.get(f"/v1/jobs/{job['id']}/artifacts").json() == {"data": [], "count": 0}
