@@ -48,6 +48,11 @@ class Stack:
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
+        # Whatever the caller set explicitly reaches every process, then the resolved essentials.
+        for name in self.settings.model_fields_set:
+            value = getattr(self.settings, name)
+            if value is not None:
+                env[f"TRAINJOBS_{name.upper()}"] = str(int(value) if isinstance(value, bool) else value)
         env.update({
             "TRAINJOBS_DATA_DIR": str(self.settings.data_dir.resolve()),
             "TRAINJOBS_DATABASE_URL": self.settings.resolved_database_url,

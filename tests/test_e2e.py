@@ -8,6 +8,7 @@ import httpx
 import psutil
 import pytest
 
+from service import storage
 from service.settings import Settings
 from service.stack import Stack
 from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables, mlp_spec
@@ -117,13 +118,21 @@ def test_cli_reports_a_bad_spec_naming_the_field(stack, tmp_path):
     assert "body.data.synthetic_regression.batch_size" in cli.stdout and "greater than or equal to 1" in cli.stdout
 
 
-def test_fsdp_gpt_job_runs_through_the_service(api):
+def test_fsdp_gpt_job_checkpoints_evaluates_and_leaves_its_model_as_an_artifact(stack, api):
     spec = mlp_spec(strategy="fsdp", model={"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16},
                     data={"type": "synthetic_lm", "num_samples": 256, "batch_size": 8},
-                    train={"max_steps": 30, "log_every": 5})
+                    train={"max_steps": 30, "log_every": 5, "checkpoint_every": 10, "eval_every": 15})
     job = wait_terminal(api, api.post("/v1/jobs", json=spec).json()["id"])
     assert job["status"] == "succeeded", job["error"]
-    assert job["summary"]["tokens_per_s"] > 0
-    loss = api.get(f"/v1/jobs/{job['id']}/metrics", params={"name": "loss"}).json()["series"][0]["values"]
-    assert loss[-1] < loss[0]
+    assert job["summary"]["tokens_per_s"] > 0 and job["summary"]["eval_loss"] > 0
+    series = {s["name"]: s for s in api.get(f"/v1/jobs/{job['id']}/metrics").json()["series"]}
+    assert series["loss"]["values"][-1] < series["loss"]["values"][0]
+    assert series["eval_loss"]["steps"] == [15, 30]
     assert "fsdp on 2 x cpu" in api.get(f"/v1/jobs/{job['id']}/logs").text
+
+    checkpoints = storage.checkpoint_dir(stack.settings, job["id"])
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000020", "step_00000030"]
+    listed = api.get(f"/v1/jobs/{job['id']}/artifacts").json()["data"]
+    assert [f["name"] for f in listed] == ["model.pt"]
+    weights = api.get(f"/v1/jobs/{job['id']}/artifacts/model.pt")
+    assert weights.status_code == 200 and len(weights.content) == listed[0]["size"]
