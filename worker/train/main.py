@@ -30,6 +30,7 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     dataset, info = build_dataset(spec, data_dir)
     train_set, eval_set = split_eval(dataset, cfg.eval_fraction if cfg.eval_every else None)
+    base_mem_mb = peak_memory_mb(d.device)  # before the model: what training adds is the peak minus this
     raw_model = build_model(spec.model, info)
     n_params = sum(p.numel() for p in raw_model.parameters())
     embedding_params = sum(m.weight.numel() for m in raw_model.modules() if isinstance(m, torch.nn.Embedding))
@@ -114,12 +115,14 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
         t_last += time.perf_counter() - paused
 
     wall = time.perf_counter() - t_start
+    train_peak_mb = peak_memory_mb(d.device)  # before the gather of the full model for the file
     model_file = save_model(model, d, env_path(ARTIFACTS_DIR_ENV))
     done = step - position.step
     summary = {
         "final_loss": loss_value, "steps": step, "epochs": stream.epoch, "world_size": d.world_size,
         "global_batch": global_batch, "wall_time_s": wall, "samples_per_s": done * global_batch / wall,
-        "peak_mem_mb": peak_memory_mb(d.device), "device": d.device.type, "parameters": n_params,
+        "peak_mem_mb": train_peak_mb, "base_mem_mb": base_mem_mb, "device": d.device.type,
+        "parameters": n_params,
         "resumed_from_step": resumed_from,
     }
     if info.task == "lm":
