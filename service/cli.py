@@ -68,6 +68,19 @@ def cmd_submit(args, client: Client) -> int:
     return print_outcome(follow(client, job["id"]))
 
 
+def cmd_plan(args, client: Client) -> int:
+    """The memory plan of a spec: both estimates per device, against the device's memory, and the choice."""
+    plan = client.plan(load_spec(args.file))
+    table = Table("per device", "ddp", "fsdp", title=f"{plan['parameters']:,} parameters on {plan['device']}")
+    for key in dict.fromkeys([*plan["ddp"]["breakdown"], *plan["fsdp"]["breakdown"]]):
+        row = [plan[s]["breakdown"].get(key) for s in ("ddp", "fsdp")]
+        table.add_row(key, *("" if v is None else f"{v / 2**30:.3f} GiB" for v in row))
+    table.add_row("[bold]total", *(f"[bold]{plan[s]['total_gib']:.3f} GiB" for s in ("ddp", "fsdp")))
+    console.print(table)
+    console.print(f"choice: [bold]{plan['choice'] or 'nothing fits'}[/] ({plan['reason']})")
+    return 0 if plan["strategy"] else 1
+
+
 def cmd_status(args, client: Client) -> int:
     print(json.dumps(client.get(args.job_id), indent=2))
     return 0
@@ -179,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("file")
     submit.add_argument("--follow", action="store_true", help="show progress until the job ends")
     submit.set_defaults(remote=cmd_submit)
+    plan = sub.add_parser("plan", help="the memory plan of a job spec (DDP or FSDP, and why), without submitting")
+    plan.add_argument("file")
+    plan.set_defaults(remote=cmd_plan)
     for name, fn in (("status", cmd_status), ("cancel", cmd_cancel)):
         p = sub.add_parser(name, help=f"{name} of a job")
         p.add_argument("job_id")

@@ -37,6 +37,9 @@ class Client:
     def submit(self, spec: dict) -> dict:
         return self._call("POST", "/v1/jobs", json=spec).json()
 
+    def plan(self, spec: dict) -> dict:
+        return self._call("POST", "/v1/plan", json=spec).json()
+
     def get(self, job_id: str) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}").json()
 

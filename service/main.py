@@ -16,6 +16,7 @@ from service.health import router as health_router
 from service.jobs.router import router as jobs_router
 from service.logs.router import router as logs_router
 from service.metrics.router import router as metrics_router
+from service.plan_router import router as plan_router
 from service.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.exception("unhandled error", exc_info=exc)
         return JSONResponse(status_code=500, content={"detail": "internal error (a bug: please report it)"})
 
-    for router in (health_router, jobs_router, metrics_router, logs_router, artifacts_router):
+    for router in (health_router, jobs_router, metrics_router, logs_router, artifacts_router, plan_router):
         app.include_router(router)
     return app

@@ -42,7 +42,6 @@ BAD_FIELDS = [
     ("model.type", "resnet"),
     ("model.hidden", [0]),
     ("fsdp.mixed_precision", "fp8"),
-    ("strategy", "auto"),
     ("strategy", "horovod"),
     ("priority", "urgent"),
     ("timeout_s", -5),
@@ -63,9 +62,10 @@ def test_bad_field_is_422_naming_it_and_writes_nothing(client, settings, path, v
     assert count_jobs(settings.database_url) == 0
 
 
-def test_auto_is_refused_with_a_clear_message(client):
-    detail = client.post("/v1/jobs", json=mlp_spec(strategy="auto")).json()["detail"]
-    assert "not available yet" in detail[0]["msg"]
+def test_auto_is_refused_for_an_entrypoint_job(client):
+    spec = mlp_spec(strategy="auto", model=None, data=None, entrypoint={"module": "my_train"})
+    detail = client.post("/v1/jobs", json=spec).json()["detail"]
+    assert "needs a model to plan" in detail[0]["msg"]
 
 
 def test_model_and_data_must_match(client):

@@ -11,6 +11,7 @@ from rq.serializers import JSONSerializer
 import worker.agent  # noqa: F401 - preloaded: each forked work-horse starts with it imported
 from service.queue import queue_names
 from service.settings import get_settings
+from worker.inventory import start_publisher
 
 
 def main(burst: bool = False) -> None:
@@ -21,7 +22,11 @@ def main(burst: bool = False) -> None:
     name = os.environ.get("TRAINJOBS_WORKER_NAME") or f"{socket.gethostname()}-{os.getpid()}"
     os.environ["TRAINJOBS_WORKER_NAME"] = name
     worker = Worker(queues, connection=redis, serializer=JSONSerializer, name=name)
-    worker.work(burst=burst, with_scheduler=False)
+    stop_publishing = start_publisher(redis, prefix=settings.queue_prefix, name=name)  # for the memory plan
+    try:
+        worker.work(burst=burst, with_scheduler=False)
+    finally:
+        stop_publishing()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ class Job(Base):
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # service/plan.py's Plan
 
     __table_args__ = (UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),)
 

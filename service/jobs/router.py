@@ -4,7 +4,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 from redis.exceptions import RedisError
 
-from service import queue
+from service import queue, workers_registry
 from service.deps import RedisDep, SessionDep, SettingsDep
 from service.jobs import service
 from service.jobs.schemas import JobPublic, JobsPublic
@@ -19,7 +19,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDep, settings: SettingsDep):
     """Store the job, commit, then enqueue: the row is the truth, the queue entry only a hint."""
     service.check_inputs(spec, data_dir=settings.data_dir)
-    job = service.create(db, spec=spec)
+    workers = workers_registry.workers_for(redis, prefix=settings.queue_prefix, spec=spec)
+    job = service.create(db, spec=spec, workers=workers)
     db.commit()
     try:
         queue.enqueue(redis, prefix=settings.queue_prefix, job_id=job.id, priority=job.priority,

@@ -14,6 +14,15 @@ class Progress(BaseModel):
     eta_s: float | None = None
 
 
+class MemoryCheck(BaseModel):
+    """The plan's estimate beside what the run measured, so the plan can be checked against reality."""
+
+    estimated_mb: float | None  # the plan's per-device estimate for the strategy the job runs
+    # The worker's summary.peak_mem_mb: torch.cuda.max_memory_allocated of rank 0 on CUDA; on CPU rank 0's
+    # peak RSS, which also counts Python and torch themselves.
+    measured_peak_mb: float | None
+
+
 class JobPublic(BaseModel):
     id: str
     name: str
@@ -26,6 +35,8 @@ class JobPublic(BaseModel):
     progress: Progress
     summary: dict[str, Any] | None
     error: dict[str, Any] | None
+    plan: dict[str, Any] | None  # the memory plan (service/plan.py); null for an entrypoint job
+    memory: MemoryCheck | None
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -38,6 +49,7 @@ class JobPublic(BaseModel):
             id=job.id, name=job.name, owner=job.owner, status=job.status, priority=job.priority,
             spec=job.spec, attempt=job.attempt, max_retries=job.max_retries,
             progress=Progress(**progress), summary=job.summary, error=job.error,
+            plan=job.plan, memory=memory_check(job),
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
             cancel_requested_at=job.cancel_requested_at,
         )
@@ -46,3 +58,12 @@ class JobPublic(BaseModel):
 class JobsPublic(BaseModel):
     items: list[JobPublic]
     next_cursor: str | None
+
+
+def memory_check(job: Job) -> MemoryCheck | None:
+    estimate = (job.plan or {}).get(job.spec.get("strategy"), {}).get("total_bytes")
+    peak = (job.summary or {}).get("peak_mem_mb")
+    if estimate is None and peak is None:
+        return None
+    return MemoryCheck(estimated_mb=round(estimate / 2**20, 3) if estimate is not None else None,
+                       measured_peak_mb=peak)

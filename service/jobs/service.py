@@ -4,17 +4,20 @@ import hashlib
 import json
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from service import plan as memory_plan
 from service.db import utcnow
 from service.errors import InvalidRequest, InvalidTransition, JobNotFound
 from service.jobs.models import Job, JobEvent
 from service.jobs.spec import JobSpec
 from service.jobs.status import ALLOWED_FROM, JobStatus
+from service.workers_registry import WorkerMemory
 
 JOB_ID_LEN = 20
 
@@ -50,8 +53,13 @@ def check_inputs(spec: JobSpec, *, data_dir: Path) -> None:
                                  field="data.path")
 
 
-def create(db: Session, *, spec: JobSpec, owner: str = "default") -> Job:
-    """Insert a queued job (the caller commits, then enqueues)."""
+def create(db: Session, *, spec: JobSpec, owner: str = "default", workers: Sequence[WorkerMemory] = ()) -> Job:
+    """Insert a queued job (the caller commits, then enqueues).
+
+    A job with a model gets a memory plan (against the live workers' memory); strategy "auto" is stored as
+    the plan's choice, so a worker never sees "auto", or refused (422) when nothing fits.
+    """
+    spec, plan = memory_plan.resolve(spec, workers)
     body = spec.model_dump(mode="json")
     now = utcnow()
     job = Job(
@@ -66,6 +74,7 @@ def create(db: Session, *, spec: JobSpec, owner: str = "default") -> Job:
         max_retries=spec.max_retries,
         created_at=now,
         queued_at=now,
+        plan=plan.model_dump(mode="json") if plan else None,
     )
     db.add(job)
     db.flush()

@@ -162,7 +162,8 @@ class JobSpec(_Strict):
     """A training job as the user submits it."""
 
     name: Name = "job"
-    strategy: Literal["ddp", "fsdp", "auto"] = "ddp"
+    strategy: Literal["ddp", "fsdp", "auto"] = Field(
+        "ddp", description="auto: DDP or FSDP from the memory plan (service/plan.py), stored as the choice")
     resources: Resources = Field(default_factory=Resources)
     model: ModelConfig | None = None
     data: DataConfig | None = None
@@ -174,14 +175,6 @@ class JobSpec(_Strict):
     timeout_s: float = Field(3600, gt=0, le=7 * 24 * 3600)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     fault_injection: FaultInjection | None = None
-
-    @field_validator("strategy")
-    @classmethod
-    def _strategy_available(cls, value: str) -> str:
-        # NOTE: never run an unsupported strategy silently as another one.
-        if value == "auto":
-            raise ValueError("strategy 'auto' (chosen from the memory plan) is not available yet; use 'ddp' or 'fsdp'")
-        return value
 
     @model_validator(mode="after")
     def _model_fits_data(self):

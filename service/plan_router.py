@@ -1,0 +1,19 @@
+"""POST /v1/plan: the memory plan for a job spec, without creating a job."""
+
+from fastapi import APIRouter
+
+from service import plan, workers_registry
+from service.deps import RedisDep, SettingsDep
+from service.jobs import service
+from service.jobs.spec import JobSpec
+
+router = APIRouter(prefix="/v1/plan", tags=["plan"])
+
+
+@router.post("", response_model=plan.Plan)
+def plan_job(spec: JobSpec, redis: RedisDep, settings: SettingsDep) -> plan.Plan:
+    """Both estimates, the choice and the reason. Nothing fitting is an answer here (choice null), not an error:
+    only submitting such an "auto" job is refused."""
+    service.check_inputs(spec, data_dir=settings.data_dir)
+    workers = workers_registry.workers_for(redis, prefix=settings.queue_prefix, spec=spec)
+    return plan.make_plan(spec, workers)
