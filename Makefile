@@ -35,6 +35,7 @@ lint: $(STAMP)
 bench: $(STAMP) services
 	$(PY) bench/throughput.py
 	$(PY) bench/claim_latency.py
+	$(PY) bench/strategies.py
 
 clean:
 	rm -rf $(VENV) trainjobs-data
