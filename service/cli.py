@@ -41,7 +41,7 @@ def follow(client: Client, job_id: str) -> dict:
                 loss = client.metrics(job_id, "loss")["series"]
                 if loss and loss[0]["values"]:
                     info = f"loss {loss[0]['values'][-1]:.4f}"
-            bar.update(task, completed=job["progress"]["step"], info=info)
+            bar.update(task, completed=job["progress"]["step"], total=job["progress"]["total_steps"], info=info)
     return job
 
 
@@ -90,7 +90,7 @@ def cmd_list(args, client: Client) -> int:
     table = Table("id", "name", "status", "step", "created")
     for job in client.list(status=args.status, limit=args.limit)["items"]:
         progress = job["progress"]
-        table.add_row(job["id"], job["name"], job["status"], f"{progress['step']}/{progress['total_steps']}",
+        table.add_row(job["id"], job["name"], job["status"], f"{progress['step']}/{progress['total_steps'] or '?'}",
                       job["created_at"])
     console.print(table)
     return 0

@@ -1,14 +1,26 @@
-"""Pure: JobSpec -> the torchrun command line and environment (as TorchX's dist.ddp renders one)."""
+"""JobSpec -> the torchrun command line and environment, pure (as TorchX's dist.ddp renders one).
+
+Also the check of an entrypoint job before it launches: the one part here that looks at the disk.
+"""
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.errors import TrainjobsError
 from service.jobs.spec import JobSpec
 from service.storage import ARTIFACTS, CHECKPOINTS
 
 SPEC_FILE = "spec.json"  # in the run dir: the resolved spec the ranks read
 RUN_TAG_ENV = "TRAINJOBS_RUN_TAG"  # every process of an attempt carries it: how cancel finds them all
+
+
+class EntrypointRefused(TrainjobsError):
+    """A job's own code that this worker will not run; `kind` becomes the job's error type."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message, field="entrypoint")
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -33,7 +45,10 @@ def render(
     shutdown_grace_s: float,
     base_env: dict[str, str],
     cpu_count: int,
+    scripts_dir: Path | None = None,
+    entry_script: Path | None = None,
 ) -> Launch:
+    """The command line; for an entrypoint job, `entry_script` is resolve_script()'s answer (script mode)."""
     nproc = spec.resources.nproc_per_node
     argv = [
         python, "-m", "torch.distributed.run",
@@ -41,7 +56,7 @@ def render(
         "--nproc-per-node", str(nproc),
         "--max-restarts", "0",  # retries are the service's decision, with a new attempt
         "--log-dir", str(run_dir / "torchelastic"),  # per-rank error files land here (@record)
-        "-m", "worker.train", str(run_dir),
+        *target_argv(spec, run_dir=run_dir, entry_script=entry_script),
     ]
     env = dict(base_env)
     env.update({
@@ -58,8 +73,52 @@ def render(
         "TMPDIR": str(run_dir / "tmp"),
         "PYTHONUNBUFFERED": "1",
     })
+    if spec.entrypoint is not None and scripts_dir is not None:
+        # So `module` can live in the scripts dir, and a script can import its neighbours.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(scripts_dir), base_env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count // nproc)))
     return Launch(argv=argv, env=env)
+
+
+def target_argv(spec: JobSpec, *, run_dir: Path, entry_script: Path | None) -> list[str]:
+    """What torchrun runs on every rank: the built-in runtime, or the user's module or script with its args."""
+    entry = spec.entrypoint
+    if entry is None:
+        return ["-m", "worker.train", str(run_dir)]
+    if entry.module is not None:
+        return ["-m", entry.module, *entry.args]
+    if entry_script is None:
+        raise ValueError("an entrypoint script must be resolved (resolve_script) before it is rendered")
+    return [str(entry_script), *entry.args]
+
+
+def check_entrypoint(spec: JobSpec, *, allowed: bool, scripts_dir: Path) -> Path | None:
+    """Refuse an entrypoint job this worker may not run; returns the resolved script (None: not script mode)."""
+    if spec.entrypoint is None:
+        return None
+    if not allowed:
+        raise EntrypointRefused("entrypoint_disabled", "this worker does not run users' own code (entrypoint jobs); "
+                                "start the worker with TRAINJOBS_ALLOW_ENTRYPOINTS=1 to allow them")
+    if spec.entrypoint.script is None:
+        return None  # a module is found by Python at launch; a missing one fails the run with its ImportError
+    return resolve_script(scripts_dir, spec.entrypoint.script)
+
+
+def resolve_script(scripts_dir: Path, script: str) -> Path:
+    """The real path of `script` inside `scripts_dir`; never a path (or a symlink) that leaves it."""
+    root = scripts_dir.resolve()
+    relative = Path(script)
+    if not script or "\0" in script or relative.is_absolute() or ".." in relative.parts:
+        raise EntrypointRefused("invalid_entrypoint", f"entrypoint.script {script!r} must be a relative path "
+                                "inside the scripts directory (TRAINJOBS_SCRIPTS_DIR)")
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root):
+        raise EntrypointRefused("invalid_entrypoint", f"entrypoint.script {script!r} points outside the scripts "
+                                "directory (TRAINJOBS_SCRIPTS_DIR)")
+    if not path.is_file():
+        raise EntrypointRefused("entrypoint_not_found", f"entrypoint.script {script!r} is not a file in the "
+                                f"worker's scripts directory {root} (TRAINJOBS_SCRIPTS_DIR)")
+    return path
 
 
 def default_env() -> dict[str, str]:

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from service.logs import service as logs
 from service.metrics import service as metrics
+from worker.report import METRIC_NAME_MAX
 
 
 class OutputPump:
@@ -81,6 +82,9 @@ class MetricTail:
         self.path, self.pos, self._next_pos = path, 0, 0
         self.summary: dict | None = None
         self.last_step, self.last_step_time_s = 0, None
+        self.total_steps: int | None = None  # from an entrypoint's report(total_steps=...)
+        self._last_time: float | None = None
+        self._timed = False  # the built-in runtime reports step_time_s; a user's script usually does not
 
     def write(self, db: Session, *, job_id: str, attempt: int) -> int:
         try:
@@ -93,16 +97,54 @@ class MetricTail:
         self._next_pos = self.pos + end
         rows = []
         for line in data[:end].splitlines():
-            record = json.loads(line)
+            record = parse_record(line)
+            if record is None:
+                continue
             if record["type"] == "summary":
                 self.summary = record["summary"]
+                continue
+            if record["type"] == "progress":
+                self.total_steps = record["total_steps"]
                 continue
             t = datetime.fromtimestamp(record["time"], UTC)
             step = record["step"]
             rows.extend((step, name, value, t) for name, value in record["metrics"].items())
-            self.last_step = step
-            self.last_step_time_s = record["metrics"].get("step_time_s", self.last_step_time_s)
+            if "step_time_s" in record["metrics"]:
+                self.last_step_time_s, self._timed = record["metrics"]["step_time_s"], True
+            elif not self._timed and step > self.last_step and self._last_time is not None:
+                self.last_step_time_s = (record["time"] - self._last_time) / (step - self.last_step)
+            self.last_step, self._last_time = step, record["time"]
         return metrics.insert_batch(db, job_id=job_id, attempt=attempt, rows=rows)
 
     def committed(self) -> None:
         self.pos = self._next_pos
+
+
+def parse_record(line: bytes) -> dict | None:
+    """One reporter line, or None for a line that is not one.
+
+    NOTE: a user's script can write anything to the metrics file; a bad line (one the database would
+    refuse, too) is skipped rather than retried forever.
+    """
+    try:
+        record = json.loads(line)
+        kind = record["type"]
+        if kind == "summary":
+            return record if isinstance(record["summary"], dict) else None
+        if kind == "progress":
+            return record if _is_step(record["total_steps"]) and record["total_steps"] > 0 else None
+        datetime.fromtimestamp(record["time"], UTC)
+        if kind == "metrics" and _is_step(record["step"]) and all(
+                len(name) <= METRIC_NAME_MAX and _is_number(value) for name, value in record["metrics"].items()):
+            return record
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, OSError):
+        pass
+    return None
+
+
+def _is_step(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -51,12 +51,22 @@ class Supervisor:
         self.cancel_requested = False
 
     def run(self) -> Outcome:
+        scripts_dir = self.settings.resolved_scripts_dir
+        try:
+            entry_script = launch.check_entrypoint(self.spec, allowed=self.settings.allow_entrypoints,
+                                                   scripts_dir=scripts_dir)
+        except launch.EntrypointRefused as exc:  # before anything starts: the job fails, the worker goes on
+            return Outcome(JobStatus.FAILED, error={"type": exc.kind, "message": exc.message, "rank": None})
+        job_dir = storage.job_dir(self.settings, self.job_id)
         plan = launch.render(
             self.spec, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir, python=sys.executable,
-            data_dir=self.settings.data_dir, job_dir=storage.job_dir(self.settings, self.job_id),
+            data_dir=self.settings.data_dir, job_dir=job_dir,
             shutdown_grace_s=self.settings.cancel_grace_s,
             base_env=launch.default_env(), cpu_count=os.cpu_count() or 1,
+            scripts_dir=scripts_dir, entry_script=entry_script,
         )
+        for folder in (storage.CHECKPOINTS, storage.ARTIFACTS):  # a user's script may write straight into them
+            (job_dir / folder).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
         processes.become_subreaper()
         with self.sessions() as db:
@@ -124,8 +134,10 @@ class Supervisor:
             log.exception("shipping for job %s failed; will retry", self.job_id)
 
     def _progress(self) -> dict:
-        total, step = self.spec.train.max_steps, self.metrics.last_step
-        eta = (total - step) * self.metrics.last_step_time_s if self.metrics.last_step_time_s else None
+        # An entrypoint's total is what its script reported (report(total_steps=...)), if anything.
+        total = self.metrics.total_steps if self.spec.entrypoint else self.spec.train.max_steps
+        step, step_time_s = self.metrics.last_step, self.metrics.last_step_time_s
+        eta = max(0.0, (total - step) * step_time_s) if total and step_time_s else None
         return {"step": step, "total_steps": total, "eta_s": eta}
 
     def _outcome(self, exit_code: int | None, stop_reason: str | None, killed: list[int]) -> Outcome:
@@ -139,7 +151,8 @@ class Supervisor:
             error = {"type": "attempt_lost", "message": "another attempt or a cancel took the job",
                      "rank": None, "exit_code": exit_code}
             return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
-        if exit_code == 0 and self.metrics.summary is not None:
+        # The built-in runtime always ends with a summary; a user's script need not report at all.
+        if exit_code == 0 and (self.metrics.summary is not None or self.spec.entrypoint is not None):
             return Outcome(JobStatus.SUCCEEDED, exit_code, summary=self.metrics.summary)
         return Outcome(JobStatus.FAILED, exit_code, error=self._error(exit_code))
 
@@ -161,6 +174,8 @@ class Supervisor:
         if not candidates:
             message = (f"torchrun exited with code {exit_code} and no rank reported an exception"
                        if exit_code else "training ended without a summary")
+            if self.spec.entrypoint is not None:  # no @record in a user's script: its traceback is in the logs
+                message = f"the entrypoint exited with code {exit_code}; its output is in the job's logs"
             return {"type": "process_exit", "message": message, "rank": None, "exit_code": exit_code,
                     "excerpt": excerpt}
         _, _, local_rank, message, stack = min(candidates)

@@ -10,7 +10,7 @@ from service.jobs.models import Job
 
 class Progress(BaseModel):
     step: int = 0
-    total_steps: int
+    total_steps: int | None  # an entrypoint job's: what its script reported, if anything
     eta_s: float | None = None
 
 
@@ -44,7 +44,8 @@ class JobPublic(BaseModel):
 
     @classmethod
     def of(cls, job: Job) -> "JobPublic":
-        progress = {"total_steps": job.spec["train"]["max_steps"], **(job.progress or {})}
+        total = None if job.spec.get("entrypoint") else job.spec["train"]["max_steps"]
+        progress = {"total_steps": total, **(job.progress or {})}
         return cls(
             id=job.id, name=job.name, owner=job.owner, status=job.status, priority=job.priority,
             spec=job.spec, attempt=job.attempt, max_retries=job.max_retries,

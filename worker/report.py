@@ -1,0 +1,83 @@
+"""Metrics and progress from your own training script (entrypoint mode), in the built-in runtime's format.
+
+    from worker.report import report, summary
+
+    report(step=step, loss=loss.item(), total_steps=max_steps)   # every few steps
+    summary(final_loss=loss.item())                               # once, at the end
+
+Only rank 0 writes (the RANK that torchrun sets), to the file the service names in TRAINJOBS_METRICS_FILE;
+the service ships the lines to GET /v1/jobs/{id}/metrics and the job's progress. Without that variable
+(a bare torchrun, a laptop) every call does nothing, so the same script runs anywhere. Never imports
+torch: a tensor metric is fine (float() is taken), but importing this module costs nothing.
+"""
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from worker.train.report import METRICS_FILE_ENV, Reporter
+
+__all__ = ["artifacts_dir", "checkpoint_dir", "report", "summary"]
+
+METRIC_NAME_MAX = 64  # the database's metrics.name is a VARCHAR(64)
+# The names worker/launch.py sets (its module, like worker/train/checkpoint.py, is too heavy to import here).
+CHECKPOINT_DIR_ENV, ARTIFACTS_DIR_ENV = "TRAINJOBS_CHECKPOINT_DIR", "TRAINJOBS_ARTIFACTS_DIR"
+
+
+class _ScriptReporter(Reporter):
+    """The runtime's reporter, plus the total number of steps that only a user's script can tell."""
+
+    def total_steps(self, total: int) -> None:
+        self._write({"type": "progress", "time": time.time(), "total_steps": total})
+
+
+_open: tuple[str | None, _ScriptReporter] | None = None  # (the path it writes to, the reporter)
+_total: int | None = None
+
+
+def _reporter() -> _ScriptReporter:
+    """The reporter for the current environment; reopened if TRAINJOBS_METRICS_FILE changes."""
+    global _open, _total
+    path = os.environ.get(METRICS_FILE_ENV) if os.environ.get("RANK", "0") == "0" else None
+    if _open is None or _open[0] != path:
+        if _open is not None:
+            _open[1].close()
+        _open, _total = (path, _ScriptReporter(path, enabled=path is not None)), None
+    return _open[1]
+
+
+def report(step: int, *, total_steps: int | None = None, **metrics: float) -> None:
+    """Record scalar metrics at `step` (and, once known, how many steps the run has: for progress and ETA)."""
+    global _total
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**31:
+        raise ValueError(f"step must be an int from 0 to 2**31-1, got {step!r}")
+    if too_long := [name for name in metrics if len(name) > METRIC_NAME_MAX]:
+        raise ValueError(f"metric names are at most {METRIC_NAME_MAX} characters: {too_long[0]!r}")
+    reporter = _reporter()
+    if total_steps is not None and total_steps != _total:
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or not 0 < total_steps < 2**31:
+            raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
+        reporter.total_steps(total_steps)
+        _total = total_steps
+    reporter.log(step, metrics)
+
+
+def summary(**values: Any) -> None:
+    """Record the run's final values: the job's `summary` (JSON-serialisable values)."""
+    _reporter().summary(values)
+
+
+def checkpoint_dir() -> Path | None:
+    """The job's checkpoint folder, kept across attempts (None outside the service)."""
+    return _env_path(CHECKPOINT_DIR_ENV)
+
+
+def artifacts_dir() -> Path | None:
+    """The job's output folder, served by GET /v1/jobs/{id}/artifacts (None outside the service)."""
+    return _env_path(ARTIFACTS_DIR_ENV)
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
