@@ -36,6 +36,7 @@ bench: $(STAMP) services
 	$(PY) bench/throughput.py
 	$(PY) bench/claim_latency.py
 	$(PY) bench/strategies.py
+	$(PY) bench/lost_worker.py
 
 clean:
 	rm -rf $(VENV) trainjobs-data

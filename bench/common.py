@@ -21,12 +21,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def bench_stack(**overrides):
+def bench_stack(workers: int = 1, **overrides):
     with tempfile.TemporaryDirectory(prefix="trainjobs-bench-") as tmp:
         settings = Settings(data_dir=Path(tmp), redis_url=os.environ.get("TRAINJOBS_REDIS_URL",
                                                                           "redis://127.0.0.1:6379/14"),
                             queue_prefix=f"bench{os.getpid()}", **overrides)
-        with Stack(settings, port=free_port(), workers=1, quiet=True) as stack:
+        with Stack(settings, port=free_port(), workers=workers, quiet=True) as stack:
             with httpx.Client(base_url=stack.api_url, timeout=30) as api:
                 yield stack, api
 

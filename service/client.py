@@ -1,6 +1,7 @@
 """A small HTTP client for the CLI: every command talks to the API, never to the database."""
 
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -34,8 +35,17 @@ class Client:
             raise APIError(response.status_code, detail)
         return response
 
-    def submit(self, spec: dict) -> dict:
-        return self._call("POST", "/v1/jobs", json=spec).json()
+    def submit(self, spec: dict, *, attempts: int = 3) -> dict:
+        """Submit once, even if the connection drops: every retry carries the same Idempotency-Key."""
+        headers = {"Idempotency-Key": f"cli-{uuid.uuid4()}"}
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._call("POST", "/v1/jobs", json=spec, headers=headers).json()
+            except httpx.TransportError:
+                if attempt == attempts:
+                    raise
+                time.sleep(0.5 * attempt)
+        raise AssertionError("unreachable")
 
     def plan(self, spec: dict) -> dict:
         return self._call("POST", "/v1/plan", json=spec).json()

@@ -27,5 +27,15 @@ class InvalidTransition(TrainjobsError):
     status_code = 409
 
 
+class IdempotencyConflict(TrainjobsError):
+    """An Idempotency-Key reused with another spec: the client's retry is not the request it first made."""
+
+    status_code = 409
+
+    def __init__(self, job_id: str):
+        super().__init__(f"this Idempotency-Key already made job {job_id} from another spec; use a new key",
+                         field="Idempotency-Key")
+
+
 class InvalidRequest(TrainjobsError):
     status_code = 422

@@ -7,12 +7,13 @@ from redis import Redis
 from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job as RQJob
+from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
-from sqlalchemy import select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
-from service.jobs.models import Job
+from service.jobs.models import Attempt, Job
 from service.jobs.status import JobStatus
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ JOB_FUNCTION = "worker.agent.run_job"
 PRIORITIES = ("high", "normal", "low")
 # RQ must never kill a job before our supervisor does (it enforces timeout_s and the grace period).
 RQ_TIMEOUT_MARGIN_S = 600
+FINISHING_S = 30  # how long a work-horse may take from recording an outcome to RQ marking the job done
 
 
 def queue_names(prefix: str) -> list[str]:
@@ -55,21 +57,54 @@ def drop(redis: Redis, *, prefix: str, job_id: str, priority: str) -> None:
         pass
 
 
-def reconcile(db: Session, redis: Redis, *, prefix: str, min_age_s: float = 10.0) -> list[str]:
-    """Re-enqueue every queued job that no RQ queue holds (Redis lost it, or enqueue failed).
+def reconcile(db: Session, redis: Redis, *, prefix: str, min_age_s: float | None = 10.0) -> list[str]:
+    """Enqueue every due queued job that no RQ queue holds; drop queue entries of finished or unknown jobs.
 
-    Jobs queued in the last `min_age_s` are left alone: their API request may still be enqueueing them.
+    Due: a retry whose backoff is over (not_before), or a job queued over `min_age_s` ago. Younger jobs are
+    left alone: their API request may still be enqueueing them. min_age_s None: retries only (a quick pass).
     """
-    cutoff = utcnow() - timedelta(seconds=min_age_s)
-    held: set[str] = set()
+    now = utcnow()
+    held: dict[str, str] = {}
     for priority in PRIORITIES:
-        held.update(get_queue(redis, prefix, priority).get_job_ids())
+        held.update(dict.fromkeys(get_queue(redis, prefix, priority).get_job_ids(), priority))
+    due = and_(Job.not_before.is_not(None), Job.not_before <= now)
+    if min_age_s is not None:
+        due = or_(due, and_(Job.not_before.is_(None), Job.queued_at <= now - timedelta(seconds=min_age_s)))
     missing = []
-    for job in db.scalars(select(Job).where(Job.status == JobStatus.QUEUED, Job.queued_at <= cutoff)):
-        if job.id not in held:
-            enqueue(redis, prefix=prefix, job_id=job.id, priority=job.priority,
-                    timeout_s=job.spec.get("timeout_s", 3600))
-            missing.append(job.id)
+    for job in db.scalars(select(Job).where(Job.status == JobStatus.QUEUED, due)):
+        if job.id in held or _finishing(db, redis, job.id, now):
+            continue
+        # A lost worker's RQ job still sits in its started registry; RQ's own cleanup would later mark
+        # the id failed under the new attempt's feet.
+        _forget_executions(redis, prefix=prefix, job_id=job.id, priority=job.priority)
+        enqueue(redis, prefix=prefix, job_id=job.id, priority=job.priority, timeout_s=job.spec.get("timeout_s", 3600))
+        missing.append(job.id)
     if missing:
-        log.warning("re-enqueued %d queued job(s) missing from Redis: %s", len(missing), missing)
+        log.info("enqueued %d queued job(s) that no queue held: %s", len(missing), missing)
+    if min_age_s is not None:
+        for job_id, priority in held.items():
+            job = db.get(Job, job_id)
+            if job is None or JobStatus(job.status).is_terminal():
+                get_queue(redis, prefix, priority).remove(job_id)
+                log.info("dropped queue entry %s (job %s)", job_id, job.status if job else "unknown")
     return missing
+
+
+def _finishing(db: Session, redis: Redis, job_id: str, now) -> bool:
+    """The previous attempt's work-horse is still wrapping up (it recorded the outcome a moment ago)."""
+    finished = db.scalar(select(func.max(Attempt.finished_at)).where(Attempt.job_id == job_id,
+                                                                     Attempt.status != "lost"))
+    if finished is None or (now - finished).total_seconds() > FINISHING_S:
+        return False
+    try:
+        return RQJob.fetch(job_id, connection=redis, serializer=JSONSerializer).get_status() == "started"
+    except NoSuchJobError:
+        return False
+
+
+def _forget_executions(redis: Redis, *, prefix: str, job_id: str, priority: str) -> None:
+    try:
+        rq_job = RQJob.fetch(job_id, connection=redis, serializer=JSONSerializer)
+    except NoSuchJobError:
+        return
+    StartedJobRegistry(queue=get_queue(redis, prefix, priority)).remove_executions(rq_job)

@@ -24,10 +24,15 @@ class Settings(BaseSettings):
     # Supervision of a running job (worker side).
     poll_s: float = Field(0.5, gt=0, description="how often the supervisor ships logs/metrics and checks cancel")
     cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM → SIGKILL grace period")
+    preempt_grace_s: float = Field(60.0, ge=0, description="on worker shutdown, how long a job may take to "
+                                   "checkpoint and exit before it is stopped hard")
     lease_s: float = Field(10.0, gt=0, description="how long an attempt's lease lasts without renewal")
+    heartbeat_s: float = Field(2.0, gt=0, description="how often a running attempt renews its lease")
     log_max_bytes: int = Field(16 * 2**20, ge=1024, description="log bytes kept per job")
     # Sweeper inside the API: re-enqueues queued jobs that Redis lost.
     reconcile_s: float = Field(30.0, gt=0)
+    # ... and finds expired leases (lost workers) and retries whose backoff is over, this often.
+    sweep_s: float = Field(2.0, gt=0)
 
     @property
     def resolved_database_url(self) -> str:

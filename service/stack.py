@@ -70,9 +70,14 @@ class Stack:
         python = sys.executable
         self._spawn("api", [python, "-m", "uvicorn", "service.app:app", "--host", self.host,
                             "--port", str(self.port), "--log-level", "warning"])
-        for i in range(self.workers):
-            self._spawn(f"worker-{i}", [python, "-m", "worker.main"])
+        self.add_workers(self.workers)
         self._wait_ready()
+
+    def add_workers(self, n: int) -> None:
+        """Start n more workers, on a stack that is starting or already running."""
+        first = sum(name.startswith("worker") for name, _ in self.procs)
+        for i in range(first, first + n):
+            self._spawn(f"worker-{i}", [sys.executable, "-m", "worker.main"])
 
     def _start_redis(self) -> None:
         url = urlparse(self.settings.redis_url)
@@ -110,7 +115,7 @@ class Stack:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}")
 
     def stop(self) -> None:
-        """Workers first (a second signal makes RQ cold-stop; torchrun dies with its supervisor), then the rest."""
+        """Workers first (the first signal hands a running job back, the second stops it at once), then the rest."""
         for names, sig_count in ((("worker",), 2), (("api",), 1), (("redis",), 1)):
             group = [p for n, p in self.procs if n.startswith(names) and p.poll() is None]
             for attempt in range(sig_count):

@@ -11,6 +11,7 @@ import httpx
 import psutil
 
 from service.jobs.status import TERMINAL
+from service.queue import PRIORITIES, get_queue
 from worker import launch
 from worker.launch import RUN_TAG_ENV
 
@@ -75,3 +76,8 @@ def run_torchrun(spec: dict, run_dir: Path, *, attempt: int = 1, job_dir: Path |
         raise AssertionError(f"torchrun exited {done.returncode}:\n{done.stdout.decode()[-4000:]}")
     metrics = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def queued_ids(redis, prefix: str) -> list[str]:
+    """Every job id on the RQ queues of a prefix; an id enqueued twice appears twice."""
+    return [i for p in PRIORITIES for i in get_queue(redis, prefix, p).get_job_ids()]

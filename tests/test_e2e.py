@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import psutil
@@ -83,10 +84,12 @@ def test_cancel_of_running_job_leaves_no_process_alive(api):
              what="training to report steps")
     procs = processes_of(job["id"])
     assert len(procs) >= 3  # torchrun and its two ranks
+    started = time.monotonic()
     r = api.post(f"/v1/jobs/{job['id']}/cancel")
     assert r.status_code == 200 and r.json()["cancel_requested_at"] is not None
     done = wait_terminal(api, job["id"], timeout=60)
     assert done["status"] == "cancelled"
+    assert time.monotonic() - started < 3 + 2 + 1  # the grace period + 2 s (+ the poll)
     # By the time the API says cancelled, every process of the job is gone.
     alive = [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == [] and processes_of(job["id"]) == []

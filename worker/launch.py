@@ -4,6 +4,7 @@ Also the check of an entrypoint job before it launches: the one part here that l
 """
 
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from service.storage import ARTIFACTS, CHECKPOINTS
 
 SPEC_FILE = "spec.json"  # in the run dir: the resolved spec the ranks read
 RUN_TAG_ENV = "TRAINJOBS_RUN_TAG"  # every process of an attempt carries it: how cancel finds them all
+# The supervisor's "checkpoint and exit" to the ranks (SIGTERM stays the cancel path); also worker → work-horse.
+PREEMPT_SIGNAL = signal.SIGUSR1
 
 
 class EntrypointRefused(TrainjobsError):

@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from worker.launch import RUN_TAG_ENV
+from worker.launch import PREEMPT_SIGNAL, RUN_TAG_ENV
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -25,9 +25,31 @@ def become_subreaper() -> None:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def die_with_parent() -> None:
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """preexec_fn: torchrun gets SIGTERM if the supervisor itself dies (and stops its ranks)."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(PR_SET_PDEATHSIG, sig)
+
+
+def prepare_torchrun() -> None:
+    """preexec_fn of torchrun: die with the supervisor, and ignore PREEMPT_SIGNAL until a rank handles it.
+
+    NOTE: an ignored signal stays ignored across exec, so torchrun and every rank it starts inherit it: a
+    preemption request that reaches a rank still importing torch is dropped (the supervisor sends it again)
+    instead of killing it, SIGUSR1's default action. The runtime installs its handler once it can act on it.
+    """
+    die_with_parent()
+    signal.signal(PREEMPT_SIGNAL, signal.SIG_IGN)
+
+
+def signal_ranks(root_pid: int, sig: int) -> int:
+    """Send `sig` to torchrun's children (the ranks: not torchrun itself, nor the ranks' own children)."""
+    try:
+        ranks = psutil.Process(root_pid).children()
+    except psutil.NoSuchProcess:
+        return 0
+    for proc in ranks:
+        _signal(proc, sig)
+    return len(ranks)
 
 
 def find_processes(root_pid: int, tag: str) -> list[psutil.Process]:

@@ -83,6 +83,8 @@ class MetricTail:
         self.summary: dict | None = None
         self.last_step, self.last_step_time_s = 0, None
         self.total_steps: int | None = None  # from an entrypoint's report(total_steps=...)
+        self.resumed_from_step: int | None = None  # the runtime says so when it loaded a checkpoint
+        self.preempted_at_step: int | None = None  # the runtime stopped there on request (checkpoint saved)
         self._last_time: float | None = None
         self._timed = False  # the built-in runtime reports step_time_s; a user's script usually does not
 
@@ -105,6 +107,12 @@ class MetricTail:
                 continue
             if record["type"] == "progress":
                 self.total_steps = record["total_steps"]
+                continue
+            if record["type"] == "resumed":
+                self.resumed_from_step = record["step"]
+                continue
+            if record["type"] == "preempted":
+                self.preempted_at_step = record["step"]
                 continue
             t = datetime.fromtimestamp(record["time"], UTC)
             step = record["step"]
@@ -133,6 +141,8 @@ def parse_record(line: bytes) -> dict | None:
             return record if isinstance(record["summary"], dict) else None
         if kind == "progress":
             return record if _is_step(record["total_steps"]) and record["total_steps"] > 0 else None
+        if kind in ("resumed", "preempted"):
+            return record if _is_step(record["step"]) else None
         datetime.fromtimestamp(record["time"], UTC)
         if kind == "metrics" and _is_step(record["step"]) and all(
                 len(name) <= METRIC_NAME_MAX and _is_number(value) for name, value in record["metrics"].items()):

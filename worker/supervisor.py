@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import storage
@@ -25,6 +25,8 @@ from worker import launch, processes
 from worker.shipping import LogShipper, MetricTail, OutputPump
 
 log = logging.getLogger(__name__)
+LIVE = (JobStatus.STARTING, JobStatus.RUNNING)
+PREEMPT_RESEND_S = 1.0  # how often a preemption request is repeated to the ranks until they act on it
 # Errors a rank reports when a *peer* died: never the root cause when another rank has one.
 PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
                "SignalException", "Broken pipe")
@@ -37,6 +39,7 @@ class Outcome:
     summary: dict | None = None
     error: dict | None = None
     killed_pids: list[int] = field(default_factory=list)
+    detail: str | None = None  # for the job's event log (e.g. why it was handed back)
 
 
 class Supervisor:
@@ -49,6 +52,11 @@ class Supervisor:
         self.tag = launch.run_tag(job_id, attempt)
         self.metrics = MetricTail(run_dir / "metrics.jsonl")
         self.cancel_requested = False
+        self.lease_lost = False  # the sweeper gave the job away: stop, write nothing more
+        self._renewed = -float("inf")  # when the lease was last renewed (monotonic)
+        self.preempt_requests = 0  # the worker is shutting down: 1 = checkpoint and hand back, 2 = stop now
+        self._preempt_since: float | None = None
+        self._preempt_sent = -float("inf")
 
     def run(self) -> Outcome:
         scripts_dir = self.settings.resolved_scripts_dir
@@ -67,6 +75,7 @@ class Supervisor:
         )
         for folder in (storage.CHECKPOINTS, storage.ARTIFACTS):  # a user's script may write straight into them
             (job_dir / folder).mkdir(parents=True, exist_ok=True)
+        (job_dir / "OWNER").write_text(str(self.attempt))  # a stale attempt's ranks then write no checkpoint
         (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
         processes.become_subreaper()
         with self.sessions() as db:
@@ -75,7 +84,7 @@ class Supervisor:
         # A session of its own, so a signal to the worker's terminal never reaches the ranks directly.
         proc = subprocess.Popen(
             plan.argv, env=plan.env, cwd=self.run_dir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=processes.die_with_parent,
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=processes.prepare_torchrun,
         )
         pump = OutputPump(proc.stdout.fileno())
         try:
@@ -92,10 +101,14 @@ class Supervisor:
                 if exit_code is not None:
                     break
                 if stop_reason is None:
-                    if self.cancel_requested:
+                    if self.lease_lost:
+                        stop_reason = "lost"
+                    elif self.cancel_requested:
                         stop_reason = "cancelled"
                     elif time.monotonic() - started > self.spec.timeout_s:
                         stop_reason = "timeout"
+                    elif self._preempt_past_grace(proc.pid):
+                        stop_reason = "preempted"
                 if stop_reason is not None:
                     killed = processes.stop_all(proc, self.tag, self.settings.cancel_grace_s)
                     exit_code = proc.wait()
@@ -113,23 +126,62 @@ class Supervisor:
             shutil.rmtree(self.run_dir / "tmp", ignore_errors=True)
         return self._outcome(exit_code, stop_reason, killed)
 
+    def preempt(self) -> None:
+        """The worker is shutting down: checkpoint and hand the job back; a second call stops it now.
+
+        Safe in a signal handler: it only counts; the supervision loop acts on it.
+        """
+        self.preempt_requests += 1
+
+    def _preempt_past_grace(self, torchrun_pid: int) -> bool:
+        """Ask the ranks to checkpoint and exit; True (stop hard) past the grace or on a second request."""
+        if not self.preempt_requests:
+            return False
+        now = time.monotonic()
+        if self._preempt_since is None:
+            self._preempt_since = now
+            log.info("job %s: preempted; asking its ranks to checkpoint and exit", self.job_id)
+        # A user's script has no handler for the signal: it gets SIGTERM, as on cancel, and may checkpoint then.
+        if (self.preempt_requests > 1 or self.spec.entrypoint is not None
+                or now - self._preempt_since > self.settings.preempt_grace_s):
+            return True
+        if now - self._preempt_sent >= PREEMPT_RESEND_S:  # again: a rank still starting up ignores it
+            processes.signal_ranks(torchrun_pid, launch.PREEMPT_SIGNAL)
+            self._preempt_sent = now
+        return False
+
     def _ship(self, pump: OutputPump) -> None:
-        """Move new output and metrics to the database, renew the lease, read the cancel flag."""
+        """Move new output and metrics to the database, renew the lease, read the cancel flag.
+
+        Fenced: the job row is locked and checked first, so once the sweeper has given the job to a new
+        attempt (this worker was paused or cut off past its lease) nothing more is written for this one.
+        """
         self.logs.stage(pump.take())
         try:
             with self.sessions() as db:
+                job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at)
+                                 .where(Job.id == self.job_id).with_for_update()).one_or_none()
+                renew = time.monotonic() - self._renewed >= self.settings.heartbeat_s
+                expires = utcnow() + timedelta(seconds=self.settings.lease_s) if renew else Attempt.lease_expires_at
+                lease = db.execute(update(Attempt).where(
+                    Attempt.job_id == self.job_id, Attempt.number == self.attempt, Attempt.status == "active",
+                ).values(lease_expires_at=expires))
+                if job is None or job.attempt != self.attempt or job.status not in LIVE or lease.rowcount != 1:
+                    db.rollback()
+                    self.lease_lost = True
+                    return
                 self.logs.write(db)
                 self.metrics.write(db, job_id=self.job_id, attempt=self.attempt)
-                db.execute(update(Attempt)
-                           .where(Attempt.job_id == self.job_id, Attempt.number == self.attempt)
-                           .values(lease_expires_at=utcnow() + timedelta(seconds=self.settings.lease_s)))
-                db.execute(update(Job).where(Job.id == self.job_id, Job.attempt == self.attempt)
-                           .values(progress=self._progress()))
-                requested = db.get(Job, self.job_id).cancel_requested_at
+                changes = {"progress": self._progress()}
+                if self.metrics.resumed_from_step is not None:
+                    db.execute(update(Attempt).where(Attempt.job_id == self.job_id, Attempt.number == self.attempt)
+                               .values(resumed_from_step=self.metrics.resumed_from_step))
+                db.execute(update(Job).where(Job.id == self.job_id, Job.attempt == self.attempt).values(**changes))
                 db.commit()
             self.logs.committed()
             self.metrics.committed()
-            self.cancel_requested = requested is not None
+            self._renewed = time.monotonic() if renew else self._renewed
+            self.cancel_requested = job.cancel_requested_at is not None
         except Exception:  # noqa: BLE001 - a database blip must never kill a healthy run
             log.exception("shipping for job %s failed; will retry", self.job_id)
 
@@ -152,7 +204,17 @@ class Supervisor:
                      "rank": None, "exit_code": exit_code}
             return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
         # The built-in runtime always ends with a summary; a user's script need not report at all.
-        if exit_code == 0 and (self.metrics.summary is not None or self.spec.entrypoint is not None):
+        finished = exit_code == 0 and (self.metrics.summary is not None or self.spec.entrypoint is not None)
+        # NOTE: whatever else ended it while the worker shuts down (a job that finished in the grace apart),
+        # the job goes back to the queue: not failed, no retry spent.
+        if stop_reason == "preempted" or (self.preempt_requests and not finished):
+            if self.cancel_requested:  # asked for while the ranks were stopping: the user's word wins
+                return Outcome(JobStatus.CANCELLED, exit_code, killed_pids=killed)
+            step = self.metrics.preempted_at_step
+            detail = (f"preempted by worker shutdown at step {step}" if step is not None
+                      else "preempted by worker shutdown; it resumes from its last checkpoint")
+            return Outcome(JobStatus.QUEUED, exit_code, detail=detail, killed_pids=killed)
+        if finished:
             return Outcome(JobStatus.SUCCEEDED, exit_code, summary=self.metrics.summary)
         return Outcome(JobStatus.FAILED, exit_code, error=self._error(exit_code))
 

@@ -17,7 +17,7 @@ class Job(Base):
     owner: Mapped[str] = mapped_column(String(128), default="default")
     name: Mapped[str] = mapped_column(String(128))
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
-    spec_hash: Mapped[str] = mapped_column(String(64))
+    spec_hash: Mapped[str] = mapped_column(String(64))  # of the spec as submitted: an idempotent retry's check
     status: Mapped[str] = mapped_column(String(16), index=True)
     priority: Mapped[str] = mapped_column(String(8))
     idempotency_key: Mapped[str | None] = mapped_column(String(128))
@@ -28,6 +28,7 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    not_before: Mapped[datetime | None] = mapped_column(UTCDateTime)  # a retry waits out its backoff
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
@@ -44,14 +45,19 @@ class Attempt(Base):
     number: Mapped[int] = mapped_column(Integer)
     worker: Mapped[str] = mapped_column(String(256))
     node_rank: Mapped[int] = mapped_column(Integer, default=0)
+    # active, then succeeded | failed | cancelled | lost (its lease expired) | preempted (handed back)
     status: Mapped[str] = mapped_column(String(16), default="active")
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     exit_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    resumed_from_step: Mapped[int | None] = mapped_column(Integer)  # None: it started from step 0
 
-    __table_args__ = (UniqueConstraint("job_id", "number", "node_rank", name="uq_attempts_job_number_node"),)
+    __table_args__ = (
+        UniqueConstraint("job_id", "number", "node_rank", name="uq_attempts_job_number_node"),
+        Index("ix_attempts_status_lease", "status", "lease_expires_at"),
+    )
 
 
 class JobEvent(Base):

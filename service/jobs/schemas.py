@@ -68,3 +68,23 @@ def memory_check(job: Job) -> MemoryCheck | None:
         return None
     return MemoryCheck(estimated_mb=round(estimate / 2**20, 3) if estimate is not None else None,
                        measured_peak_mb=peak)
+
+
+class AttemptPublic(BaseModel):
+    number: int
+    worker: str
+    node_rank: int
+    status: str  # active | succeeded | failed | cancelled | lost | preempted
+    started_at: datetime
+    finished_at: datetime | None
+    lease_expires_at: datetime | None
+    exit_code: int | None
+    error: dict[str, Any] | None
+    resumed_from_step: int | None  # None: it started from step 0
+
+    model_config = {"from_attributes": True}
+
+
+class AttemptsPublic(BaseModel):
+    data: list[AttemptPublic]
+    count: int

@@ -9,17 +9,19 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service import plan as memory_plan
 from service.db import utcnow
-from service.errors import InvalidRequest, InvalidTransition, JobNotFound
-from service.jobs.models import Job, JobEvent
+from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound
+from service.jobs.models import Attempt, Job, JobEvent
 from service.jobs.spec import JobSpec
 from service.jobs.status import ALLOWED_FROM, JobStatus
 from service.workers_registry import WorkerMemory
 
 JOB_ID_LEN = 20
+DEFAULT_OWNER = "default"  # every job's owner until API tokens land
 
 
 def new_job_id() -> str:
@@ -53,21 +55,28 @@ def check_inputs(spec: JobSpec, *, data_dir: Path) -> None:
                                  field="data.path")
 
 
-def create(db: Session, *, spec: JobSpec, owner: str = "default", workers: Sequence[WorkerMemory] = ()) -> Job:
+def hash_spec(spec: JobSpec) -> str:
+    """Of the spec as submitted (defaults filled in, "auto" not yet resolved), so a resubmission matches."""
+    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: Sequence[WorkerMemory] = (),
+           idempotency_key: str | None = None) -> Job:
     """Insert a queued job (the caller commits, then enqueues).
 
     A job with a model gets a memory plan (against the live workers' memory); strategy "auto" is stored as
     the plan's choice, so a worker never sees "auto", or refused (422) when nothing fits.
     """
+    spec_hash = hash_spec(spec)
     spec, plan = memory_plan.resolve(spec, workers)
-    body = spec.model_dump(mode="json")
     now = utcnow()
     job = Job(
         id=new_job_id(),
         owner=owner,
         name=spec.name,
-        spec=body,
-        spec_hash=hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest(),
+        spec=spec.model_dump(mode="json"),
+        spec_hash=spec_hash,
+        idempotency_key=idempotency_key,
         status=JobStatus.QUEUED,
         priority=spec.priority,
         attempt=0,
@@ -80,6 +89,33 @@ def create(db: Session, *, spec: JobSpec, owner: str = "default", workers: Seque
     db.flush()
     record_event(db, job_id=job.id, kind=JobStatus.QUEUED, detail="submitted")
     return job
+
+
+def find_by_key(db: Session, *, spec: JobSpec, idempotency_key: str, owner: str = DEFAULT_OWNER) -> Job | None:
+    """The job an earlier submission with this key made, or None; a 409 when that one carried another spec."""
+    job = db.scalar(select(Job).where(Job.owner == owner, Job.idempotency_key == idempotency_key))
+    if job is not None and job.spec_hash != hash_spec(spec):
+        raise IdempotencyConflict(job.id)
+    return job
+
+
+def create_once(db: Session, *, spec: JobSpec, idempotency_key: str | None, owner: str = DEFAULT_OWNER,
+                workers: Sequence[WorkerMemory] = ()) -> tuple[Job, bool]:
+    """Create and commit a job; (job, False) when a concurrent request with the same key committed first.
+
+    The unique (owner, idempotency_key) decides the race: the loser's INSERT fails, it rolls back and answers
+    with the winner's job, so concurrent duplicates make exactly one job.
+    """
+    try:
+        job = create(db, spec=spec, owner=owner, workers=workers, idempotency_key=idempotency_key)
+        db.commit()
+    except IntegrityError:
+        db.rollback()
+        existing = find_by_key(db, spec=spec, idempotency_key=idempotency_key, owner=owner) if idempotency_key else None
+        if existing is None:
+            raise
+        return existing, False
+    return job, True
 
 
 def get(db: Session, *, job_id: str) -> Job:
@@ -127,6 +163,11 @@ def transition(
         return False
     record_event(db, job_id=job_id, kind=to, detail=detail)
     return True
+
+
+def attempts_of(db: Session, *, job_id: str) -> list[Attempt]:
+    get(db, job_id=job_id)
+    return list(db.scalars(select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number, Attempt.node_rank)))
 
 
 def request_cancel(db: Session, *, job_id: str) -> tuple[Job, bool]:

@@ -31,8 +31,12 @@ def read_series(
     if after_step is not None:
         query = query.where(Metric.step > after_step)
     series: dict[str, dict] = {}
-    for metric_name, step, value in db.execute(query.order_by(Metric.name, Metric.step, Metric.id)):
+    # A resumed attempt repeats the steps after its checkpoint: the latest attempt's value wins.
+    for metric_name, step, value in db.execute(query.order_by(Metric.name, Metric.step, Metric.attempt, Metric.id)):
         entry = series.setdefault(metric_name, {"name": metric_name, "steps": [], "values": []})
+        if entry["steps"] and entry["steps"][-1] == step:
+            entry["values"][-1] = value
+            continue
         entry["steps"].append(step)
         entry["values"].append(value)
     return list(series.values())

@@ -28,6 +28,7 @@ from worker.train.distributed import Dist
 CHECKPOINT_DIR_ENV = "TRAINJOBS_CHECKPOINT_DIR"
 ARTIFACTS_DIR_ENV = "TRAINJOBS_ARTIFACTS_DIR"
 COMPLETE = "COMPLETE"
+OWNER = "OWNER"  # in the job's folder: the attempt that may write checkpoints
 PREFIX = "step_"
 
 
@@ -61,6 +62,7 @@ class Checkpointer:
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, position: Position) -> Path:
         """Collective: every rank calls it at the same step."""
+        self._check_owner()
         path = self.root / f"{PREFIX}{position.step:08d}"
         if self.d.is_main and path.exists():  # a half-written one from an attempt that died saving
             shutil.rmtree(path)
@@ -72,6 +74,7 @@ class Checkpointer:
             (path / "trainer.json").write_text(json.dumps(asdict(position)))
         dist.barrier()  # every rank has written its part
         if self.d.is_main:
+            self._check_owner()
             _write_atomic(path / COMPLETE, json.dumps({"step": position.step, "world_size": self.d.world_size}))
             self._prune()
         return path
@@ -86,6 +89,15 @@ class Checkpointer:
         if rng_file.is_file():  # absent when the world size changed: the seeds then differ anyway
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return Position(**json.loads((path / "trainer.json").read_text()))
+
+    def _check_owner(self) -> None:
+        """Fencing: once a newer attempt owns the job's folder (this one was paused past its lease and the
+        job given away), this attempt must not write there. The supervisor writes OWNER at launch."""
+        owner = self.root.parent / OWNER
+        mine = os.environ.get("TRAINJOBS_ATTEMPT")
+        if mine and owner.is_file() and owner.read_text().strip() != mine:
+            raise RuntimeError(f"attempt {mine} no longer owns the job (attempt {owner.read_text().strip()} does): "
+                               "not writing a checkpoint")
 
     def _prune(self) -> None:
         """Keep the newest `keep` complete checkpoints; drop older and unfinished ones."""

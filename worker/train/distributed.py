@@ -2,11 +2,14 @@
 
 import os
 import resource
+import signal
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from worker import processes
 
 
 @dataclass(frozen=True)
@@ -21,8 +24,17 @@ class Dist:
         return self.rank == 0
 
 
+def die_with_torchrun() -> None:
+    """A rank whose torchrun is gone (SIGKILLed with its worker) must not train on as an orphan."""
+    parent = os.getppid()
+    processes.die_with_parent(signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
 def init_distributed(device_kind: str) -> Dist:
     """Join the process group torchrun set up: nccl on CUDA, gloo on CPU."""
+    die_with_torchrun()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if device_kind == "auto":

@@ -20,12 +20,14 @@ from worker.train.distributed import cleanup_and_exit, init_distributed, mean_ac
 from worker.train.flops import flops_per_sample, mfu, peak_flops
 from worker.train.models import build_model, loss_fn
 from worker.train.optim import build_optimizer, lr_at
+from worker.train.preempt import Preemption
 from worker.train.report import METRICS_FILE_ENV, Reporter
 from worker.train.strategies import apply_strategy
 
 
 def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
     d = init_distributed(spec.resources.device)
+    preemption = Preemption()  # from here on, the supervisor's signal is acted on rather than ignored
     cfg = spec.train
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     dataset, info = build_dataset(spec, data_dir)
@@ -59,6 +61,7 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
               f"{f' ({accum} micro-batches)' if accum > 1 else ''}, {max_steps} steps", flush=True)
         if resumed_from is not None:
             print(f"[trainjobs] resumed from checkpoint {latest[0].name} at step {resumed_from}", flush=True)
+            reporter.resumed(resumed_from)
     fault = spec.fault_injection
     attempt = int(os.environ.get("TRAINJOBS_ATTEMPT", "1"))
     fault_armed = fault is not None and d.rank == fault.rank and fault.attempt in (None, attempt)
@@ -113,6 +116,11 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
         if checkpoints.due(step):
             checkpoints.save(model, optimizer, Position(step, stream.epoch, stream.batches_in_epoch))
         t_last += time.perf_counter() - paused
+        if step < max_steps and preemption.due(step):  # every rank agrees on the step
+            hand_back(checkpoints, model, optimizer, Position(step, stream.epoch, stream.batches_in_epoch),
+                      reporter, d, saved=checkpoints.due(step))
+            return
+    preemption.close()
 
     wall = time.perf_counter() - t_start
     train_peak_mb = peak_memory_mb(d.device)  # before the gather of the full model for the file
@@ -136,6 +144,18 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
     reporter.summary(summary)
     if d.is_main:
         print(f"[trainjobs] done: {step} steps in {wall:.2f}s, final loss {loss_value:.6f}", flush=True)
+    reporter.close()
+
+
+def hand_back(checkpoints: Checkpointer, model, optimizer, position: Position, reporter: Reporter, d, *,
+              saved: bool) -> None:
+    """Preempted: checkpoint where training stands (unless this step just did), say so, and stop; no summary."""
+    if checkpoints.root is not None and not saved:
+        checkpoints.save(model, optimizer, position)
+    reporter.preempted(position.step)
+    if d.is_main:
+        where = "checkpoint saved" if checkpoints.root is not None else "no checkpoint dir: progress lost"
+        print(f"[trainjobs] preempted at step {position.step}: {where}", flush=True)
     reporter.close()
 
 

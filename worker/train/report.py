@@ -25,6 +25,13 @@ class Reporter:
         finite = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
         self._write({"type": "metrics", "step": step, "time": time.time(), "metrics": finite})
 
+    def resumed(self, step: int) -> None:
+        self._write({"type": "resumed", "time": time.time(), "step": step})
+
+    def preempted(self, step: int) -> None:
+        """The run stopped at `step` on request, its checkpoint saved: no summary follows."""
+        self._write({"type": "preempted", "time": time.time(), "step": step})
+
     def summary(self, summary: dict[str, Any]) -> None:
         self._write({"type": "summary", "time": time.time(), "summary": summary})
 

@@ -1,0 +1,139 @@
+"""Lost and paused workers, end to end: real API, two real workers, real torchrun, PostgreSQL, Redis.
+
+A worker killed with kill -9 (with its work-horse: the whole machine gone) loses its lease; the sweeper
+gives the job to the other worker, which resumes it from the newest checkpoint. A worker paused past its
+lease (SIGSTOP) finds on waking that its job is gone, and writes nothing more.
+"""
+
+import os
+import signal
+
+import httpx
+import psutil
+import pytest
+from sqlalchemy import create_engine, func, select
+
+from service.jobs.models import Attempt
+from service.logs.models import LogChunk
+from service.metrics.models import Metric
+from service.settings import Settings
+from service.stack import Stack
+from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables, mlp_spec
+from tests.helpers import free_port, processes_of, wait_for, wait_terminal
+
+LEASE_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def stack(postgres_url, tmp_path_factory):
+    _empty_tables(postgres_url)
+    settings = Settings(data_dir=tmp_path_factory.mktemp("lost"), database_url=postgres_url, redis_url=REDIS_URL,
+                        queue_prefix=f"{QUEUE_PREFIX}lost", cancel_grace_s=3, poll_s=0.2, lease_s=LEASE_S,
+                        heartbeat_s=0.5, sweep_s=0.5)
+    with Stack(settings, port=free_port(), workers=2) as s:
+        yield s
+
+
+@pytest.fixture
+def api(stack):
+    with httpx.Client(base_url=stack.api_url, timeout=10) as client:
+        yield client
+
+
+def long_job(**overrides) -> dict:
+    # ~1 ms steps: long enough to kill mid-run, short enough to finish soon after.
+    return mlp_spec(max_retries=1, data={"type": "synthetic_regression", "num_samples": 4096, "batch_size": 16},
+                    train={"max_steps": 6000, "log_every": 100, "checkpoint_every": 500}, **overrides)
+
+
+def running_past(api, job_id: str, step: int) -> dict:
+    def past():
+        job = api.get(f"/v1/jobs/{job_id}").json()
+        return job if job["status"] == "running" and job["progress"]["step"] >= step else None
+    return wait_for(past, 90, what=f"job {job_id} past step {step}")
+
+
+def worker_tree(stack: Stack, attempt: dict) -> list[psutil.Process]:
+    """The worker process that holds the attempt, its work-horse, torchrun and the ranks."""
+    pid = int(attempt["worker"].rsplit("-", 1)[1])
+    assert any(p.pid == pid for _, p in stack.procs), attempt["worker"]
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def attempts(api, job_id: str) -> list[dict]:
+    return api.get(f"/v1/jobs/{job_id}/attempts").json()["data"]
+
+
+@pytest.mark.parametrize("trial", [1, 2, 3])
+def test_a_job_whose_worker_is_killed_finishes_on_another_resumed_from_a_checkpoint(stack, api, trial):
+    job_id = api.post("/v1/jobs", json=long_job(name=f"kill-{trial}")).json()["id"]
+    running_past(api, job_id, 1200)  # a checkpoint at 1000 at least
+    (first,) = attempts(api, job_id)
+    for proc in worker_tree(stack, first)[:2]:  # the worker and its work-horse, as if the machine died
+        proc.kill()
+    stack.add_workers(1)  # keep two workers for the next trial
+
+    job = wait_terminal(api, job_id, timeout=120)
+    assert job["status"] == "succeeded", job["error"]
+    assert job["attempt"] == 2 and job["summary"]["steps"] == 6000
+    lost, second = attempts(api, job_id)
+    assert lost["status"] == "lost" and second["status"] == "succeeded"
+    assert second["worker"] != lost["worker"]
+    assert second["resumed_from_step"] >= 1000  # not from step 0
+    assert lost["finished_at"] <= second["started_at"]  # never two attempts at once
+    assert job["error"]["attempts"][0]["type"] == "worker_lost"
+    loss = api.get(f"/v1/jobs/{job_id}/metrics", params={"name": "loss"}).json()["series"][0]
+    assert loss["steps"] == list(range(100, 6001, 100))  # one value per step, the resumed attempt's
+    assert processes_of(job_id) == []
+
+
+def test_a_paused_worker_finds_its_job_given_away_and_writes_nothing_after_it_wakes(stack, api, postgres_url):
+    job_id = api.post("/v1/jobs", json=long_job(name="paused")).json()["id"]
+    running_past(api, job_id, 600)
+    (first,) = attempts(api, job_id)
+    tree = worker_tree(stack, first)
+    for proc in tree:  # the whole worker stops, training included, like a frozen VM
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: len(attempts(api, job_id)) == 2 and attempts(api, job_id)[1]["status"] == "active",
+                 60, what="the job to move to the other worker")
+        engine = create_engine(postgres_url)
+        with engine.connect() as conn:
+            def written():
+                return [conn.scalar(select(func.count()).select_from(t).where(t.job_id == job_id, t.attempt == 1))
+                        for t in (Metric, LogChunk)]
+            before = written()
+    finally:
+        for proc in tree:
+            try:
+                proc.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+
+    job = wait_terminal(api, job_id, timeout=120)
+    assert job["status"] == "succeeded" and job["attempt"] == 2
+    assert [a["status"] for a in attempts(api, job_id)] == ["lost", "succeeded"]
+    with engine.connect() as conn:
+        assert written() == before  # the woken worker wrote no metric and no log line for attempt 1
+        events = conn.execute(select(Attempt.number, Attempt.status).where(Attempt.job_id == job_id)).all()
+    engine.dispose()
+    assert sorted(events) == [(1, "lost"), (2, "succeeded")]
+    wait_for(lambda: processes_of(job_id) == [], 15, what="the stale attempt's processes to go")
+    assert all(p.is_running() for p in tree[:1])  # the woken worker itself goes on serving
+    assert os.path.exists(stack.settings.data_dir)
+
+
+def test_a_rank_killed_by_a_signal_is_retried_and_resumes(stack, api):
+    job_id = api.post("/v1/jobs", json=long_job(name="rank-kill")).json()["id"]
+    running_past(api, job_id, 1200)
+    (first,) = attempts(api, job_id)
+    torchrun = next(p for p in worker_tree(stack, first) if "torch.distributed.run" in " ".join(p.cmdline()))
+    torchrun.children()[-1].kill()  # one rank, SIGKILL: no Python exception, no error file
+
+    job = wait_terminal(api, job_id, timeout=120)
+    assert job["status"] == "succeeded", job["error"]
+    failed, second = attempts(api, job_id)
+    assert failed["status"] == "failed" and second["status"] == "succeeded"
+    assert second["resumed_from_step"] >= 1000
+    assert job["error"]["attempts"][0]["attempt"] == 1  # the cause of the retry is kept
