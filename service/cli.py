@@ -81,14 +81,37 @@ def cmd_plan(args, client: Client) -> int:
     return 0 if plan["strategy"] else 1
 
 
+def print_json(data) -> int:
+    """Plain JSON on stdout (no rich markup), for scripts and jq."""
+    print(json.dumps(data, indent=2))
+    return 0
+
+
 def cmd_status(args, client: Client) -> int:
-    print(json.dumps(client.get(args.job_id), indent=2))
+    job = client.get(args.job_id)
+    if args.json:
+        return print_json(job)
+    progress = job["progress"]
+    table = Table(show_header=False, title=f"job {job['id']}")
+    for key, value in (("name", job["name"]), ("status", job["status"]), ("priority", job["priority"]),
+                       ("attempt", f"{job['attempt']} (max retries {job['max_retries']})"),
+                       ("step", f"{progress['step']}/{progress['total_steps'] or '?'}"),
+                       ("eta", f"{progress['eta_s']:.0f} s" if progress.get("eta_s") is not None else ""),
+                       ("created", job["created_at"]), ("started", job["started_at"] or ""),
+                       ("finished", job["finished_at"] or "")):
+        table.add_row(key, str(value))
+    console.print(table)
+    if job["status"] in TERMINAL:
+        print_outcome(job)
     return 0
 
 
 def cmd_list(args, client: Client) -> int:
+    page = client.list(status=args.status, limit=args.limit)
+    if args.json:
+        return print_json(page)
     table = Table("id", "name", "status", "step", "created")
-    for job in client.list(status=args.status, limit=args.limit)["items"]:
+    for job in page["items"]:
         progress = job["progress"]
         table.add_row(job["id"], job["name"], job["status"], f"{progress['step']}/{progress['total_steps'] or '?'}",
                       job["created_at"])
@@ -199,9 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=f"{name} of a job")
         p.add_argument("job_id")
         p.set_defaults(remote=fn)
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="the job as the API returns it")
     ls = sub.add_parser("list", help="recent jobs, newest first")
     ls.add_argument("--status", choices=[s.value for s in JobStatus])
     ls.add_argument("--limit", type=int, default=20)
+    ls.add_argument("--json", action="store_true", help="the page as the API returns it")
     ls.set_defaults(remote=cmd_list)
     logs = sub.add_parser("logs", help="a job's combined output")
     logs.add_argument("job_id")

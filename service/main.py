@@ -8,46 +8,30 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from redis import Redis
 
-from service import queue
 from service.artifacts.router import router as artifacts_router
 from service.db import make_engine, make_sessionmaker
 from service.errors import TrainjobsError
+from service.events import router as events_router
 from service.health import router as health_router
 from service.jobs.router import router as jobs_router
 from service.logs.router import router as logs_router
 from service.metrics.router import router as metrics_router
 from service.plan_router import router as plan_router
+from service.prometheus import install as install_prometheus
 from service.settings import Settings, get_settings
+from service.sweeper import Sweeper
 
 log = logging.getLogger(__name__)
 
 
-def run_sweeper(app: FastAPI, stop: threading.Event) -> None:
-    """Reconcile the queue with the database at start-up and every reconcile_s, one API at a time."""
-    settings: Settings = app.state.settings
-    while True:
-        try:
-            lock = app.state.redis.lock(f"{settings.queue_prefix}:sweeper", timeout=settings.reconcile_s * 2)
-            if lock.acquire(blocking=False):
-                try:
-                    with app.state.sessionmaker() as db:
-                        queue.reconcile(db, app.state.redis, prefix=settings.queue_prefix)
-                finally:
-                    lock.release()
-        except Exception:  # noqa: BLE001 - a failed pass must not stop the loop
-            log.exception("sweeper pass failed")
-        if stop.wait(settings.reconcile_s):
-            return
-
-
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    stop = threading.Event()
-    sweeper = threading.Thread(target=run_sweeper, args=(app, stop), name="sweeper", daemon=True)
-    sweeper.start()
+    sweeper = Sweeper(app.state.settings, app.state.sessionmaker, app.state.redis)
+    thread = threading.Thread(target=sweeper.run, name="sweeper", daemon=True)
+    thread.start()
     yield
-    stop.set()
-    sweeper.join(timeout=5)
+    sweeper.stop.set()
+    thread.join(timeout=5)
     app.state.redis.close()
     app.state.engine.dispose()
 
@@ -70,6 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.exception("unhandled error", exc_info=exc)
         return JSONResponse(status_code=500, content={"detail": "internal error (a bug: please report it)"})
 
-    for router in (health_router, jobs_router, metrics_router, logs_router, artifacts_router, plan_router):
+    for router in (health_router, jobs_router, metrics_router, logs_router, artifacts_router, plan_router,
+                   events_router):
         app.include_router(router)
+    install_prometheus(app)
     return app

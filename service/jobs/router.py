@@ -1,51 +1,65 @@
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from redis.exceptions import RedisError
 
 from service import queue, workers_registry
 from service.deps import RedisDep, SessionDep, SettingsDep
+from service.etag import json_with_etag
 from service.jobs import service
-from service.jobs.schemas import JobPublic, JobsPublic
+from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
 from service.jobs.spec import JobSpec
 from service.jobs.status import JobStatus
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=128)]
 
 
 @router.post("", status_code=201, response_model=JobPublic)
-def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDep, settings: SettingsDep):
-    """Store the job, commit, then enqueue: the row is the truth, the queue entry only a hint."""
-    service.check_inputs(spec, data_dir=settings.data_dir)
-    workers = workers_registry.workers_for(redis, prefix=settings.queue_prefix, spec=spec)
-    job = service.create(db, spec=spec, workers=workers)
-    db.commit()
+def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDep, settings: SettingsDep,
+               idempotency_key: IdempotencyKey = None):
+    """Store the job, commit, then enqueue: the row is the truth, the queue entry only a hint.
+
+    A retry with the same Idempotency-Key and spec answers 200 with the job the first one made and enqueues
+    nothing (were that job lost from Redis, the reconciler enqueues it).
+    """
+    job = service.find_by_key(db, spec=spec, idempotency_key=idempotency_key) if idempotency_key else None
+    created = False
+    if job is None:
+        service.check_inputs(spec, data_dir=settings.data_dir)
+        workers = workers_registry.workers_for(redis, prefix=settings.queue_prefix, spec=spec)
+        job, created = service.create_once(db, spec=spec, idempotency_key=idempotency_key, workers=workers)
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    if not created:
+        response.status_code = 200
+        return JobPublic.of(job)
     try:
         queue.enqueue(redis, prefix=settings.queue_prefix, job_id=job.id, priority=job.priority,
                       timeout_s=spec.timeout_s)
     except RedisError:
         # Accepted all the same: the sweeper's reconcile pass enqueues it once Redis is back.
         log.exception("enqueue of job %s failed; the reconciler will retry", job.id)
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobPublic.of(job)
 
 
 @router.get("", response_model=JobsPublic)
 def list_jobs(
+    request: Request,
     db: SessionDep,
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=64)] = None,
 ):
     jobs, next_cursor = service.list_jobs(db, status=status, limit=limit, cursor=cursor)
-    return JobsPublic(items=[JobPublic.of(j) for j in jobs], next_cursor=next_cursor)
+    return json_with_etag(request, JobsPublic(items=[JobPublic.of(j) for j in jobs], next_cursor=next_cursor))
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def read_job(job_id: str, db: SessionDep):
-    return JobPublic.of(service.get(db, job_id=job_id))
+def read_job(job_id: str, request: Request, db: SessionDep):
+    """With an ETag: an If-None-Match that names the current one gets a 304 and no body."""
+    return json_with_etag(request, JobPublic.of(service.get(db, job_id=job_id)))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
@@ -58,3 +72,10 @@ def cancel_job(job_id: str, db: SessionDep, redis: RedisDep, settings: SettingsD
         except RedisError:
             log.warning("could not drop cancelled job %s from Redis; the worker will skip it", job.id)
     return JobPublic.of(job)
+
+
+@router.get("/{job_id}/attempts", response_model=AttemptsPublic)
+def list_attempts(job_id: str, db: SessionDep):
+    """Every attempt of the job, oldest first: where it ran, how it ended, where it resumed from."""
+    attempts = service.attempts_of(db, job_id=job_id)
+    return AttemptsPublic(data=[AttemptPublic.model_validate(a) for a in attempts], count=len(attempts))

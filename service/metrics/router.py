@@ -6,6 +6,7 @@ from pydantic import BaseModel
 from service.deps import SessionDep
 from service.jobs import service as jobs
 from service.metrics import service
+from service.metrics.downsample import downsample
 
 
 class Series(BaseModel):
@@ -27,6 +28,12 @@ def read_metrics(
     db: SessionDep,
     name: Annotated[str | None, Query(max_length=64)] = None,
     after_step: Annotated[int | None, Query(ge=-1)] = None,
+    max_points: Annotated[int | None, Query(ge=1, le=100_000)] = None,
 ) -> MetricsPublic:
+    """Every series of the job; with max_points, each thinned to at most that many points (min/max per bucket)."""
     jobs.get(db, job_id=job_id)
-    return MetricsPublic(series=service.read_series(db, job_id=job_id, name=name, after_step=after_step))
+    series = service.read_series(db, job_id=job_id, name=name, after_step=after_step)
+    if max_points is not None:
+        for entry in series:
+            entry["steps"], entry["values"] = downsample(entry["steps"], entry["values"], max_points)
+    return MetricsPublic(series=series)

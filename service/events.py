@@ -1,0 +1,105 @@
+"""GET /v1/jobs/{id}/events: a job's status, progress and new metric points as Server-Sent Events.
+
+Each poll opens a short sync session in a thread (no session is held across the stream). Every event's id is
+the metrics cursor (the last metrics.id sent), so a client that reconnects with Last-Event-ID gets the status
+and progress again and only the metric points it has not seen.
+"""
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Header, Request
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.concurrency import run_in_threadpool
+
+from service.errors import InvalidRequest
+from service.jobs import service as jobs
+from service.jobs.status import JobStatus
+from service.metrics.models import Metric
+
+router = APIRouter(prefix="/v1/jobs", tags=["events"])
+BATCH_ROWS = 5000  # metric rows per `metrics` event
+LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=32)]
+
+
+@dataclass
+class Snapshot:
+    status: str
+    progress: dict[str, Any]
+    batches: list[tuple[int, list[dict]]]  # (cursor after the batch, series) per `metrics` event
+
+
+def read_metrics_after(db: Session, *, job_id: str, cursor: int, limit: int) -> tuple[int, list[dict], int]:
+    """Up to `limit` metric rows with id > cursor as series; (new cursor, series, rows read)."""
+    rows = db.execute(
+        select(Metric.id, Metric.name, Metric.step, Metric.value)
+        .where(Metric.job_id == job_id, Metric.id > cursor)
+        .order_by(Metric.id)
+        .limit(limit)
+    ).all()
+    series: dict[str, dict] = {}
+    for _id, name, step, value in rows:
+        entry = series.setdefault(name, {"name": name, "steps": [], "values": []})
+        entry["steps"].append(step)
+        entry["values"].append(value)
+    return (rows[-1][0] if rows else cursor), list(series.values()), len(rows)
+
+
+def poll(factory: sessionmaker[Session], job_id: str, cursor: int) -> Snapshot:
+    """The job, then every metric row after the cursor: a job read as terminal has shipped all of its points."""
+    with factory() as db:
+        job = jobs.get(db, job_id=job_id)
+        snapshot = Snapshot(status=job.status, progress=dict(job.progress or {}), batches=[])
+        # NOTE: one attempt at a time ships a job's metrics, in id order, so a cursor on metrics.id skips none.
+        while True:
+            cursor, series, count = read_metrics_after(db, job_id=job_id, cursor=cursor, limit=BATCH_ROWS)
+            if count:
+                snapshot.batches.append((cursor, series))
+            if count < BATCH_ROWS:
+                return snapshot
+
+
+def parse_cursor(last_event_id: str | None) -> int:
+    if last_event_id is None or last_event_id == "":
+        return 0
+    if not last_event_id.isdigit():
+        raise InvalidRequest("Last-Event-ID is not an id this stream sent", field="Last-Event-ID")
+    return int(last_event_id)
+
+
+def event(kind: str, cursor: int, data: Any) -> ServerSentEvent:
+    return ServerSentEvent(event=kind, id=str(cursor), data=json.dumps(data))
+
+
+async def job_events(request: Request, job_id: str, cursor: int) -> AsyncIterator[ServerSentEvent]:
+    factory, poll_s = request.app.state.sessionmaker, request.app.state.settings.poll_s
+    status = progress = None
+    while True:
+        snap = await run_in_threadpool(poll, factory, job_id, cursor)
+        terminal = JobStatus(snap.status).is_terminal()
+        if snap.status != status and not terminal:
+            yield event("status", cursor, {"status": snap.status})
+        if snap.progress != progress:
+            yield event("progress", cursor, snap.progress)
+        for cursor, series in snap.batches:
+            yield event("metrics", cursor, {"series": series})
+        status, progress = snap.status, snap.progress
+        if terminal:  # the final status is the last event; then the stream ends
+            yield event("status", cursor, {"status": snap.status})
+            return
+        await anyio.sleep(poll_s)
+
+
+@router.get("/{job_id}/events")
+def stream_events(job_id: str, request: Request, last_event_id: LastEventId = None) -> EventSourceResponse:
+    """Events `status` (on connect and on change), `progress` (on change), `metrics` (new points); ends after a
+    terminal status. Reconnect with Last-Event-ID to resume the metric points where the stream left off."""
+    cursor = parse_cursor(last_event_id)
+    with request.app.state.sessionmaker() as db:
+        jobs.get(db, job_id=job_id)  # 404 before the stream starts
+    return EventSourceResponse(job_events(request, job_id, cursor))

@@ -1,0 +1,140 @@
+"""GET /metrics: the service in Prometheus text format, on a registry of its own per app.
+
+Jobs by status, queue depths, live workers, metric points and the two job latencies are read at scrape time
+(a custom collector): the database and Redis are the truth, and the API process sees no worker transition.
+The latencies are histograms over the last LATENCY_WINDOW jobs, so their counts can fall; read them as
+gauges (histogram_quantile over the raw buckets), not with rate(). Request latency is observed in-process.
+"""
+
+import logging
+import time
+from collections.abc import Iterable
+from datetime import datetime
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis import Redis
+from redis.exceptions import RedisError
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service import queue, workers_registry
+from service.jobs.models import Job
+from service.jobs.status import JobStatus
+from service.metrics.models import Metric as MetricRow
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["observability"])
+LATENCY_WINDOW = 1000  # jobs, newest first
+WAIT_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600)
+DURATION_BUCKETS = (1, 5, 10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 24 * 3600)
+
+
+def add_samples(family: HistogramMetricFamily, labels: list[str], samples: Iterable[float | None],
+                buckets: tuple[float, ...]) -> HistogramMetricFamily:
+    """One labelled histogram from raw samples: cumulative buckets, +Inf and the sum."""
+    values = [v for v in samples if v is not None]
+    cumulative = [(str(float(b)), sum(v <= b for v in values)) for b in buckets] + [("+Inf", len(values))]
+    family.add_metric(labels, cumulative, sum_value=sum(values))
+    return family
+
+
+def seconds(start: datetime | None, end: datetime | None) -> float | None:
+    return (end - start).total_seconds() if start and end else None
+
+
+class ServiceCollector(Collector):
+    """Reads the database and Redis on every scrape."""
+
+    def __init__(self, factory: sessionmaker[Session], redis: Redis, prefix: str):
+        self.factory, self.redis, self.prefix = factory, redis, prefix
+
+    def collect(self) -> Iterable[Metric]:
+        with self.factory() as db:
+            yield from self.collect_db(db)
+        yield from self.collect_redis()
+
+    def collect_db(self, db: Session) -> Iterable[Metric]:
+        counts = dict(db.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+        jobs = GaugeMetricFamily("trainjobs_jobs", "Jobs by status", labels=["status"])
+        for status in JobStatus:
+            jobs.add_metric([status.value], counts.get(status.value, 0))
+        yield jobs
+        points = db.scalar(select(func.count()).select_from(MetricRow)) or 0
+        yield GaugeMetricFamily("trainjobs_metric_points", "Metric points stored (all jobs)", value=points)
+        recent = db.execute(
+            select(Job.status, Job.created_at, Job.started_at, Job.finished_at)
+            .where(Job.started_at.is_not(None)).order_by(Job.id.desc()).limit(LATENCY_WINDOW)
+        ).all()
+        waits = HistogramMetricFamily("trainjobs_job_wait_seconds",
+                                      f"Submit to claim, last {LATENCY_WINDOW} started jobs")
+        yield add_samples(waits, [], (seconds(r.created_at, r.started_at) for r in recent), WAIT_BUCKETS)
+        durations = HistogramMetricFamily("trainjobs_job_duration_seconds",
+                                          f"Claim to end, last {LATENCY_WINDOW} started jobs", labels=["status"])
+        for status in sorted(s for s in {r.status for r in recent} if JobStatus(s).is_terminal()):
+            samples = (seconds(r.started_at, r.finished_at) for r in recent if r.status == status)
+            add_samples(durations, [status], samples, DURATION_BUCKETS)
+        yield durations
+
+    def collect_redis(self) -> Iterable[Metric]:
+        depth = GaugeMetricFamily("trainjobs_queue_depth", "Jobs waiting in each RQ queue", labels=["priority"])
+        try:
+            for priority in queue.PRIORITIES:
+                depth.add_metric([priority], queue.get_queue(self.redis, self.prefix, priority).count)
+        except RedisError:
+            log.warning("cannot read the queue depths from Redis")
+            return  # no families rather than zeros that look true; and no second wait on a dead Redis
+        yield depth
+        workers = workers_registry.live_workers(self.redis, prefix=self.prefix)
+        live = GaugeMetricFamily("trainjobs_workers", "Live workers by device", labels=["device"])
+        for device in ("cuda", "cpu"):
+            live.add_metric([device], sum(w.device == device for w in workers))
+        yield live
+
+
+class RequestLatency:
+    """ASGI middleware: request latency by route template, method and status class."""
+
+    def __init__(self, app: ASGIApp, histogram: Histogram):
+        self.app, self.histogram = app, histogram
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status, stream, start = 500, False, time.perf_counter()
+
+        async def record_status(message: Message) -> None:
+            nonlocal status, stream
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                stream = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in message["headers"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record_status)
+        finally:
+            # An event stream lasts as long as its job: no request latency to speak of.
+            if not stream:
+                # The template, not the path, so job ids do not blow up the label set.
+                route = getattr(scope.get("route"), "path", "unmatched")
+                self.histogram.labels(route, scope["method"], f"{status // 100}xx").observe(
+                    time.perf_counter() - start)
+
+
+def install(app: FastAPI) -> None:
+    """A registry per app (tests build many apps), its collector and the request middleware."""
+    registry = CollectorRegistry()
+    registry.register(ServiceCollector(app.state.sessionmaker, app.state.redis, app.state.settings.queue_prefix))
+    requests = Histogram("trainjobs_http_request_duration_seconds", "API request latency",
+                         ["route", "method", "status"], registry=registry)
+    app.state.prometheus = registry
+    app.add_middleware(RequestLatency, histogram=requests)
+    app.include_router(router)
+
+
+@router.get("/metrics", include_in_schema=False)
+def scrape(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.prometheus), media_type=CONTENT_TYPE_LATEST)
