@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 import httpx
 import psutil
@@ -74,6 +75,8 @@ def test_rank_that_raises_fails_the_job_naming_rank_and_exception(api):
     assert error["type"] == "RuntimeError"
     assert error["message"] == "bad batch on purpose"
     assert "bad batch on purpose" in error["traceback"]
+    # Failed within 10 s of the raise (torchrun's error file stamps it, in whole seconds).
+    assert datetime.fromisoformat(job["finished_at"]).timestamp() - error["raised_at"] < 10
     assert processes_of(job["id"]) == []
 
 

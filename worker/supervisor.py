@@ -240,8 +240,8 @@ class Supervisor:
                 message = f"the entrypoint exited with code {exit_code}; its output is in the job's logs"
             return {"type": "process_exit", "message": message, "rank": None, "exit_code": exit_code,
                     "excerpt": excerpt}
-        _, _, local_rank, message, stack = min(candidates)
+        _, raised_at, local_rank, message, stack = min(candidates)
         kind, _, text = message.partition(": ")
         rank = local_rank  # single node: the global rank is the local one
         return {"type": kind or "Error", "message": text or message, "rank": rank, "exit_code": exit_code,
-                "traceback": stack[-4000:], "excerpt": excerpt}
+                "traceback": stack[-4000:], "excerpt": excerpt, "raised_at": raised_at or None}
