@@ -1,7 +1,10 @@
 """What both benchmarks share: a throwaway stack on SQLite and the local Redis."""
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -46,3 +49,25 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(ordered) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def run_bare(spec: dict, extra_env: dict[str, str] | None = None) -> tuple[list[dict], float]:
+    """A spec under a bare torchrun: the command line and environment the worker would use, without the
+    service around it. Returns the reporter's records and the wall time."""
+    from service.jobs.spec import JobSpec
+    from worker import launch
+
+    job_spec = JobSpec.model_validate(spec)
+    with tempfile.TemporaryDirectory(prefix="trainjobs-bare-") as tmp:
+        run_dir = Path(tmp)
+        (run_dir / "tmp").mkdir()
+        (run_dir / launch.SPEC_FILE).write_text(job_spec.model_dump_json())
+        cmd = launch.render(job_spec, job_id="bare", attempt=1, run_dir=run_dir, python=sys.executable,
+                            data_dir=run_dir, job_dir=run_dir / "storage", shutdown_grace_s=5,
+                            base_env=launch.default_env(), cpu_count=os.cpu_count() or 1)
+        cmd.env.update(extra_env or {})
+        t0 = time.perf_counter()
+        subprocess.run(cmd.argv, env=cmd.env, check=True, capture_output=True)
+        wall = time.perf_counter() - t0
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return records, wall

@@ -8,19 +8,16 @@ is reported.
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import run_bare  # noqa: E402
 from service import plan as memory_plan  # noqa: E402
 from service.jobs.spec import JobSpec  # noqa: E402
-from worker import launch  # noqa: E402
 
 SPEC = {
     "name": "bench-strategies",
@@ -33,19 +30,9 @@ SPEC = {
 
 
 def run(spec: dict) -> dict:
-    job_spec = JobSpec.model_validate(spec)
-    with tempfile.TemporaryDirectory(prefix="trainjobs-bench-") as tmp:
-        run_dir = Path(tmp)
-        (run_dir / "tmp").mkdir()
-        (run_dir / launch.SPEC_FILE).write_text(job_spec.model_dump_json())
-        cmd = launch.render(job_spec, job_id="bare", attempt=1, run_dir=run_dir, python=sys.executable,
-                            data_dir=run_dir, job_dir=run_dir / "storage", shutdown_grace_s=5,
-                            base_env=launch.default_env(), cpu_count=os.cpu_count() or 1)
-        # NOTE: glibc otherwise keeps freed buffers of up to 32 MB in its heap (its mmap threshold grows
-        # with each big free), so RSS would count FSDP's freed all-gather buffers as live memory.
-        cmd.env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        subprocess.run(cmd.argv, env=cmd.env, check=True, capture_output=True)
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # NOTE: glibc otherwise keeps freed buffers of up to 32 MB in its heap (its mmap threshold grows
+    # with each big free), so RSS would count FSDP's freed all-gather buffers as live memory.
+    records, _ = run_bare(spec, extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     summary = next(r["summary"] for r in records if r["type"] == "summary")
     # Steady state: the median logged window after the first (which pays warm-up).
     step_times = [r["metrics"]["step_time_s"] for r in records if r["type"] == "metrics"][1:]

@@ -9,9 +9,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -20,9 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil  # noqa: E402
 
-from bench.common import TERMINAL, bench_stack  # noqa: E402
-from service.jobs.spec import JobSpec  # noqa: E402
-from worker import launch  # noqa: E402
+from bench.common import TERMINAL, bench_stack, run_bare  # noqa: E402
 
 SPEC = {
     "name": "bench-throughput",
@@ -35,20 +31,8 @@ SPEC = {
 }
 
 
-def run_bare(spec: dict) -> dict:
-    """The same command line and environment the worker would use, without the service around it."""
-    job_spec = JobSpec.model_validate(spec)
-    with tempfile.TemporaryDirectory(prefix="trainjobs-bare-") as tmp:
-        run_dir = Path(tmp)
-        (run_dir / "tmp").mkdir()
-        (run_dir / launch.SPEC_FILE).write_text(job_spec.model_dump_json())
-        plan = launch.render(job_spec, job_id="bare", attempt=0, run_dir=run_dir, python=sys.executable,
-                             data_dir=run_dir, job_dir=run_dir / "storage", shutdown_grace_s=5,
-                             base_env=launch.default_env(), cpu_count=os.cpu_count() or 1)
-        t0 = time.perf_counter()
-        subprocess.run(plan.argv, env=plan.env, check=True, capture_output=True)
-        wall = time.perf_counter() - t0
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def run_bare_round(spec: dict) -> dict:
+    records, wall = run_bare(spec)
     summary = next(r["summary"] for r in records if r["type"] == "summary")
     return {"samples_per_s": summary["samples_per_s"], "wall_s": wall}
 
@@ -88,9 +72,9 @@ def main() -> None:
     with bench_stack() as (stack, api):
         for i in range(args.rounds):
             if i % 2 == 0:  # alternate which goes first, so drift does not favour either
-                bare, svc = run_bare(spec), run_service(stack, api, spec)
+                bare, svc = run_bare_round(spec), run_service(stack, api, spec)
             else:
-                svc, bare = run_service(stack, api, spec), run_bare(spec)
+                svc, bare = run_service(stack, api, spec), run_bare_round(spec)
             ratios.append(svc["samples_per_s"] / bare["samples_per_s"])
             e2e.append(bare["wall_s"] / svc["wall_s"])
             bare_sps.append(bare["samples_per_s"])

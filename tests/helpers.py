@@ -9,11 +9,21 @@ from pathlib import Path
 
 import httpx
 import psutil
+from sqlalchemy import create_engine, func, select
 
+from service.jobs.models import Job
 from service.jobs.status import TERMINAL
 from service.queue import PRIORITIES, get_queue
 from worker import launch
 from worker.launch import RUN_TAG_ENV
+
+
+def count_jobs(url: str) -> int:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        n = conn.scalar(select(func.count()).select_from(Job))
+    engine.dispose()
+    return n
 
 
 def free_port() -> int:

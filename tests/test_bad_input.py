@@ -1,18 +1,9 @@
 """Bad input: a 4xx that names the field, never a 500, and nothing written for a rejected job."""
 
 import pytest
-from sqlalchemy import create_engine, func, select
 
-from service.jobs.models import Job
 from tests.conftest import mlp_spec
-
-
-def count_jobs(url: str) -> int:
-    engine = create_engine(url)
-    with engine.connect() as conn:
-        n = conn.scalar(select(func.count()).select_from(Job))
-    engine.dispose()
-    return n
+from tests.helpers import count_jobs
 
 
 def body_with(path: str, value) -> dict:

@@ -4,12 +4,13 @@ import json
 import os
 import stat
 
-from sqlalchemy import create_engine, func, select, update
+from sqlalchemy import create_engine, update
 
 from service import cli, workers_registry
 from service.client import Client
 from service.jobs.models import Job
 from tests.conftest import QUEUE_PREFIX, mlp_spec
+from tests.helpers import count_jobs
 from worker import inventory
 
 BIG_GPT = {"type": "gpt", "n_layer": 24, "n_head": 16, "d_model": 2048, "seq_len": 1024, "vocab_size": 50257}
@@ -19,14 +20,6 @@ def big_gpt_spec(gpu_memory_gb: float, **overrides) -> dict:
     overrides = {"strategy": "auto", **overrides}
     return mlp_spec(model=BIG_GPT, data={"type": "synthetic_lm", "batch_size": 8},
                     resources={"nproc_per_node": 4, "device": "cuda", "gpu_memory_gb": gpu_memory_gb}, **overrides)
-
-
-def count_jobs(url: str) -> int:
-    engine = create_engine(url)
-    with engine.connect() as conn:
-        n = conn.scalar(select(func.count()).select_from(Job))
-    engine.dispose()
-    return n
 
 
 def test_plan_returns_both_estimates_the_choice_and_the_reason_without_a_job(client, settings):
