@@ -53,7 +53,9 @@ def settle_failure(db: Session, *, job_id: str, attempt: int, error: dict, attem
     if job is None:
         return None
     earlier = history(db, job_id)
-    close_attempt(db, job_id=job_id, attempt=attempt, status=attempt_status, error=error, exit_code=exit_code)
+    if not close_attempt(db, job_id=job_id, attempt=attempt, status=attempt_status, error=error,
+                         exit_code=exit_code):
+        return None  # already settled (the sweeper found it lost, or the worker recorded it): never twice
     failures = db.scalar(select(func.count()).select_from(Attempt).where(
         Attempt.job_id == job_id, Attempt.status.in_(COUNTED)))
     causes = [*({"attempt": e["attempt"], "type": e.get("type"), "message": e.get("message")} for e in earlier),
@@ -76,19 +78,22 @@ def settle_failure(db: Session, *, job_id: str, attempt: int, error: dict, attem
 
 def hand_back(db: Session, *, job_id: str, attempt: int, detail: str) -> bool:
     """A worker shutting down returns the job to the queue: not a failure, no retry spent."""
-    close_attempt(db, job_id=job_id, attempt=attempt, status="preempted")
+    if not close_attempt(db, job_id=job_id, attempt=attempt, status="preempted"):
+        return False
     if jobs.transition(db, job_id=job_id, to=JobStatus.QUEUED, attempt=attempt, detail=detail,
                        values={"not_before": utcnow(), "queued_at": utcnow()},
                        where=[Job.cancel_requested_at.is_(None)]):
         return True
     # A cancel came in while the ranks were stopping: it wins, and the job must not stay running.
     return jobs.transition(db, job_id=job_id, to=JobStatus.CANCELLED, attempt=attempt,
-                           detail="cancelled while its worker was shutting down")
+                           detail="cancelled while its worker was shutting down",
+                           where=[Job.cancel_requested_at.is_not(None)])
 
 
 def close_attempt(db: Session, *, job_id: str, attempt: int, status: str, error: dict | None = None,
-                  exit_code: int | None = None) -> None:
-    db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt,
+                  exit_code: int | None = None) -> bool:
+    """Close the attempt if it is still active; False if someone else closed it first."""
+    return db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt,
                                      Attempt.status == "active")
                .values(status=status, finished_at=utcnow(), lease_expires_at=None, error=error,
-                       exit_code=exit_code))
+                       exit_code=exit_code)).rowcount == 1

@@ -67,7 +67,7 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
     fault_armed = fault is not None and d.rank == fault.rank and fault.attempt in (None, attempt)
     grad_clip = spec.optimizer.grad_clip or math.inf
 
-    step, loss_value = position.step, float("nan")
+    step, loss_value, metrics = position.step, None, {}
     t_start = t_last = time.perf_counter()
     last_logged = step
     while step < max_steps:
@@ -143,7 +143,7 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
         summary["model_file"] = model_file.name
     reporter.summary(summary)
     if d.is_main:
-        print(f"[trainjobs] done: {step} steps in {wall:.2f}s, final loss {loss_value:.6f}", flush=True)
+        print(f"[trainjobs] done: {step} steps in {wall:.2f}s, final loss {loss_value}", flush=True)
     reporter.close()
 
 
