@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,20 @@ def count_jobs(url: str) -> int:
         n = conn.scalar(select(func.count()).select_from(Job))
     engine.dispose()
     return n
+
+
+@contextmanager
+def live_stack(postgres_url: str, data_dir: Path, *, name: str, workers: int = 1, **overrides):
+    """A real API and real workers on PostgreSQL and the test Redis, with quick supervision settings."""
+    from service.settings import Settings
+    from service.stack import Stack
+    from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables
+
+    _empty_tables(postgres_url)
+    settings = Settings(**{"data_dir": data_dir, "database_url": postgres_url, "redis_url": REDIS_URL,
+                           "queue_prefix": f"{QUEUE_PREFIX}{name}", "cancel_grace_s": 3, "poll_s": 0.2, **overrides})
+    with Stack(settings, port=free_port(), workers=workers) as stack:
+        yield stack
 
 
 def free_port() -> int:

@@ -11,18 +11,13 @@ import psutil
 import pytest
 
 from service import storage
-from service.settings import Settings
-from service.stack import Stack
-from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables, mlp_spec
-from tests.helpers import free_port, processes_of, wait_for, wait_terminal
+from tests.conftest import mlp_spec
+from tests.helpers import live_stack, processes_of, wait_for, wait_terminal
 
 
 @pytest.fixture(scope="module")
 def stack(postgres_url, tmp_path_factory):
-    _empty_tables(postgres_url)
-    settings = Settings(data_dir=tmp_path_factory.mktemp("e2e"), database_url=postgres_url, redis_url=REDIS_URL,
-                        queue_prefix=f"{QUEUE_PREFIX}e2e", cancel_grace_s=3, poll_s=0.2)
-    with Stack(settings, port=free_port(), workers=1) as s:
+    with live_stack(postgres_url, tmp_path_factory.mktemp("e2e"), name="e2e") as s:
         yield s
 
 

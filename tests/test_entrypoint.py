@@ -12,9 +12,8 @@ from service.jobs import service as jobs
 from service.jobs.spec import JobSpec
 from service.metrics import service as metrics
 from service.settings import Settings
-from service.stack import Stack
-from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables, mlp_spec
-from tests.helpers import free_port, wait_terminal
+from tests.conftest import mlp_spec
+from tests.helpers import live_stack, wait_terminal
 from worker import agent, launch
 from worker import report as user_report
 from worker.shipping import MetricTail
@@ -158,13 +157,11 @@ def test_report_is_a_no_op_outside_the_service(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def entry_stack(postgres_url, tmp_path_factory):
-    _empty_tables(postgres_url)
     scripts = tmp_path_factory.mktemp("scripts")
     for script in EXAMPLE_SCRIPTS.glob("*.py"):
         shutil.copy(script, scripts / script.name)
-    settings = Settings(data_dir=tmp_path_factory.mktemp("entry"), database_url=postgres_url, redis_url=REDIS_URL,
-                        queue_prefix=f"{QUEUE_PREFIX}entry", poll_s=0.2, allow_entrypoints=True, scripts_dir=scripts)
-    with Stack(settings, port=free_port(), workers=1) as s:
+    with live_stack(postgres_url, tmp_path_factory.mktemp("entry"), name="entry", allow_entrypoints=True,
+                    scripts_dir=scripts) as s:
         yield s
 
 

@@ -16,21 +16,17 @@ from sqlalchemy import create_engine, func, select
 from service.jobs.models import Attempt
 from service.logs.models import LogChunk
 from service.metrics.models import Metric
-from service.settings import Settings
 from service.stack import Stack
-from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables, mlp_spec
-from tests.helpers import free_port, processes_of, wait_for, wait_terminal
+from tests.conftest import mlp_spec
+from tests.helpers import live_stack, processes_of, wait_for, wait_terminal
 
 LEASE_S = 4.0
 
 
 @pytest.fixture(scope="module")
 def stack(postgres_url, tmp_path_factory):
-    _empty_tables(postgres_url)
-    settings = Settings(data_dir=tmp_path_factory.mktemp("lost"), database_url=postgres_url, redis_url=REDIS_URL,
-                        queue_prefix=f"{QUEUE_PREFIX}lost", cancel_grace_s=3, poll_s=0.2, lease_s=LEASE_S,
-                        heartbeat_s=0.5, sweep_s=0.5)
-    with Stack(settings, port=free_port(), workers=2) as s:
+    with live_stack(postgres_url, tmp_path_factory.mktemp("lost"), name="lost", workers=2, lease_s=LEASE_S,
+                    heartbeat_s=0.5, sweep_s=0.5) as s:
         yield s
 
 

@@ -14,10 +14,9 @@ from sqlalchemy import create_engine, select
 from service import storage
 from service.jobs.models import JobEvent
 from service.jobs.spec import JobSpec
-from service.settings import Settings
 from service.stack import Stack
-from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables, mlp_spec
-from tests.helpers import free_port, processes_of, run_torchrun, wait_for, wait_terminal
+from tests.conftest import mlp_spec
+from tests.helpers import live_stack, processes_of, run_torchrun, wait_for, wait_terminal
 from worker import launch, processes
 from worker.shipping import parse_record
 from worker.train.checkpoint import complete_checkpoints
@@ -83,10 +82,7 @@ def test_the_preempted_record_is_shipped_not_skipped():
 
 @pytest.fixture(scope="module")
 def stack(postgres_url, tmp_path_factory):
-    _empty_tables(postgres_url)
-    settings = Settings(data_dir=tmp_path_factory.mktemp("preempt"), database_url=postgres_url, redis_url=REDIS_URL,
-                        queue_prefix=f"{QUEUE_PREFIX}pre", cancel_grace_s=3, poll_s=0.2, reconcile_s=1, sweep_s=0.5)
-    with Stack(settings, port=free_port(), workers=1) as s:
+    with live_stack(postgres_url, tmp_path_factory.mktemp("preempt"), name="pre", reconcile_s=1, sweep_s=0.5) as s:
         yield s
 
 
