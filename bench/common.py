@@ -30,7 +30,7 @@ def bench_stack(workers: int = 1, **overrides):
                                                                           "redis://127.0.0.1:6379/14"),
                             queue_prefix=f"bench{os.getpid()}", **overrides)
         with Stack(settings, port=free_port(), workers=workers, quiet=True) as stack:
-            with httpx.Client(base_url=stack.api_url, timeout=30) as api:
+            with stack.client(timeout=30) as api:
                 yield stack, api
 
 

@@ -45,6 +45,12 @@ class Stack:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.output = subprocess.DEVNULL if quiet else None
         self.api_url = f"http://{host}:{port}"
+        self.token: str | None = None  # the admin token, once auth lands (issue 5)
+
+    def client(self, timeout: float = 30) -> httpx.Client:
+        """An HTTP client on this stack's API, carrying its admin token."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return httpx.Client(base_url=self.api_url, timeout=timeout, headers=headers)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

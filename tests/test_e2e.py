@@ -6,7 +6,6 @@ import sys
 import time
 from datetime import datetime
 
-import httpx
 import psutil
 import pytest
 
@@ -23,7 +22,7 @@ def stack(postgres_url, tmp_path_factory):
 
 @pytest.fixture
 def api(stack):
-    with httpx.Client(base_url=stack.api_url, timeout=10) as client:
+    with stack.client(timeout=10) as client:
         yield client
 
 

@@ -4,7 +4,6 @@ import json
 import shutil
 from pathlib import Path
 
-import httpx
 import pytest
 
 from service.db import make_engine, make_sessionmaker
@@ -166,7 +165,7 @@ def entry_stack(postgres_url, tmp_path_factory):
 
 
 def test_plain_and_reported_torchrun_scripts_run_to_success_through_the_service(entry_stack):
-    with httpx.Client(base_url=entry_stack.api_url, timeout=10) as api:
+    with entry_stack.client(timeout=10) as api:
         plain = api.post("/v1/jobs", json=entry_spec(script="plain_ddp.py", args=["--steps", "30"])).json()
         reported = api.post("/v1/jobs", json=entry_spec(module="reported_ddp", args=["--steps", "30"])).json()
         plain, reported = wait_terminal(api, plain["id"]), wait_terminal(api, reported["id"])
@@ -189,7 +188,7 @@ def test_plain_and_reported_torchrun_scripts_run_to_success_through_the_service(
 
 
 def test_entrypoint_that_cannot_start_fails_with_its_output_in_the_error(entry_stack):
-    with httpx.Client(base_url=entry_stack.api_url, timeout=10) as api:
+    with entry_stack.client(timeout=10) as api:
         job = wait_terminal(api, api.post("/v1/jobs", json=entry_spec(module="no_such_pkg.train")).json()["id"])
     assert job["status"] == "failed"
     assert job["error"]["type"] == "process_exit" and job["error"]["exit_code"] == 1

@@ -100,7 +100,7 @@ def test_concurrent_duplicates_make_exactly_one_job(pg, redis, tmp_path):
     barrier = threading.Barrier(n)
 
     def submit(_):
-        with httpx.Client(base_url=stack.api_url, timeout=60) as api:
+        with stack.client(timeout=60) as api:
             api.get("/healthz")  # connected before the barrier, so the POSTs really race
             barrier.wait()
             return post(api, mlp_spec(), "race")
@@ -125,7 +125,7 @@ def test_api_killed_mid_submissions_keeps_every_201_and_retries_make_no_second_j
             return None
 
     stack = Stack(api_settings(tmp_path, pg), port=free_port(), workers=0, quiet=True)
-    with stack, httpx.Client(base_url=stack.api_url, timeout=30) as api, ThreadPoolExecutor(8) as pool:
+    with stack, stack.client(timeout=30) as api, ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(submit, api, key) for key in keys]
         wait_for(lambda: sum(f.done() for f in futures) >= 30, 60, interval=0.005, what="30 answers")
         dict(stack.procs)["api"].kill()
@@ -140,7 +140,7 @@ def test_api_killed_mid_submissions_keeps_every_201_and_retries_make_no_second_j
     # A fast sweeper, so the jobs the kill caught between COMMIT and enqueue reach the queue.
     restarted = api_settings(tmp_path, pg, reconcile_s=1)
     with Stack(restarted, port=free_port(), workers=0, quiet=True) as stack:
-        with httpx.Client(base_url=stack.api_url, timeout=30) as api:
+        with stack.client(timeout=30) as api:
             retries = {k: post(api, mlp_spec(), k) for k in keys}
             # NOTE: the killed API may have died holding the sweeper's lock; a new one waits for it to expire.
             wait_for(lambda: len(queued_ids(redis, prefix=restarted.queue_prefix)) >= 100, 90,

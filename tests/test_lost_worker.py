@@ -8,7 +8,6 @@ lease (SIGSTOP) finds on waking that its job is gone, and writes nothing more.
 import os
 import signal
 
-import httpx
 import psutil
 import pytest
 from sqlalchemy import create_engine, func, select
@@ -32,7 +31,7 @@ def stack(postgres_url, tmp_path_factory):
 
 @pytest.fixture
 def api(stack):
-    with httpx.Client(base_url=stack.api_url, timeout=10) as client:
+    with stack.client(timeout=10) as client:
         yield client
 
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import psutil
 import pytest
 from sqlalchemy import create_engine, select
@@ -88,7 +87,7 @@ def stack(postgres_url, tmp_path_factory):
 
 @pytest.fixture
 def api(stack):
-    with httpx.Client(base_url=stack.api_url, timeout=10) as client:
+    with stack.client(timeout=10) as client:
         yield client
 
 

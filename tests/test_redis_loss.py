@@ -2,7 +2,6 @@
 
 import time
 
-import httpx
 from sqlalchemy import create_engine, select
 
 from service.jobs.models import Attempt
@@ -29,7 +28,7 @@ def test_flushdb_with_queued_jobs_and_no_workers_then_each_job_succeeds_exactly_
     settings = Settings(data_dir=tmp_path / "data", database_url=postgres_url, redis_url=REDIS_URL,
                         queue_prefix=f"{QUEUE_PREFIX}flush", reconcile_s=1, poll_s=0.2)
     with Stack(settings, port=free_port(), workers=0, quiet=True) as stack:
-        with httpx.Client(base_url=stack.api_url, timeout=30) as api:
+        with stack.client(timeout=30) as api:
             ids = [api.post("/v1/jobs", json=tiny_spec(i)).json()["id"] for i in range(N_JOBS)]
             assert sorted(queued_ids(redis, prefix=settings.queue_prefix)) == sorted(ids)
             redis.flushdb()
