@@ -1,8 +1,9 @@
 """Every table, imported in one place so metadata (and Alembic) sees them all."""
 
+from service.auth.models import ApiToken, User
 from service.db import Base
 from service.jobs.models import Attempt, Job, JobEvent
 from service.logs.models import LogChunk
 from service.metrics.models import Metric
 
-__all__ = ["Attempt", "Base", "Job", "JobEvent", "LogChunk", "Metric"]
+__all__ = ["ApiToken", "Attempt", "Base", "Job", "JobEvent", "LogChunk", "Metric", "User"]
