@@ -26,9 +26,38 @@ RQ_TIMEOUT_MARGIN_S = 600
 FINISHING_S = 30  # how long a work-horse may take from recording an outcome to RQ marking the job done
 
 
+# The node tasks of forming gangs (nnodes > 1), served before any new job: a gang that has begun to form
+# gets its workers before another one starts (worker/gang.py).
+GANG = "gang"
+NODE_FUNCTION = "worker.agent.run_node"
+
+
 def queue_names(prefix: str) -> list[str]:
     """Queue names in the order a worker serves them."""
-    return [f"{prefix}-{p}" for p in PRIORITIES]
+    return [f"{prefix}-{p}" for p in (GANG, *PRIORITIES)]
+
+
+def node_task_id(job_id: str, attempt: int, node_rank: int) -> str:
+    return f"{job_id}-{attempt}-{node_rank}"
+
+
+def parse_node_task_id(task_id: str) -> tuple[str, int, int] | None:
+    job_id, _, rest = task_id.partition("-")
+    attempt, _, node_rank = rest.partition("-")
+    return (job_id, int(attempt), int(node_rank)) if attempt.isdigit() and node_rank.isdigit() else None
+
+
+def enqueue_nodes(redis: Redis, *, prefix: str, job_id: str, attempt: int, nnodes: int, timeout_s: float) -> None:
+    """One task per node rank 1..nnodes-1 of a gang whose node 0 is claimed: any worker that fits takes one.
+
+    NOTE: only a hint, like every queue entry: a task lost with Redis leaves the gang short, and its
+    TRAINJOBS_GANG_TIMEOUT_S sends the job back to the queue. A task of an attempt gone by is skipped.
+    """
+    queue = get_queue(redis, prefix, GANG)
+    for rank in range(1, nnodes):
+        queue.enqueue_call(NODE_FUNCTION, args=[job_id, attempt, rank], job_id=node_task_id(job_id, attempt, rank),
+                           timeout=int(timeout_s) + RQ_TIMEOUT_MARGIN_S, result_ttl=600, failure_ttl=3600,
+                           description=f"trainjobs job {job_id} attempt {attempt} node {rank}")
 
 
 def get_queue(redis: Redis, prefix: str, priority: str) -> Queue:

@@ -1,6 +1,6 @@
-"""The memory a job's ranks get: the spec's word, else live workers' reports (in Redis, with a TTL), else a default.
+"""The memory a job's ranks get: the spec's word, else live workers' (the workers table), else a default.
 
-A worker that stops refreshing its key simply disappears after TTL_S: no cleanup pass needed.
+A worker that stops its heartbeat stops counting once the lease (TRAINJOBS_LEASE_S) has passed.
 """
 
 import logging
@@ -8,19 +8,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ValidationError
-from redis import Redis
-from redis.exceptions import RedisError
+from pydantic import BaseModel
+from sqlalchemy.orm import Session
 
 from service.jobs.spec import JobSpec
+from service.workers import service as workers
 
 log = logging.getLogger(__name__)
 
 GiB = 2**30
 DEFAULT_GPU_MEMORY = 80 * GiB  # an A100/H100 "80 GB" card, when neither the spec nor a live worker says
 DEFAULT_HOST_MEMORY = 16 * GiB  # a CPU job's host, when no live worker says
-REFRESH_S = 15.0
-TTL_S = 45  # three missed refreshes and the worker no longer counts
 
 
 class WorkerMemory(BaseModel):
@@ -61,35 +59,17 @@ def device_memory(spec: JobSpec, device: str, workers: Sequence[WorkerMemory]) -
     return DeviceMemory(min(sizes) if sizes else DEFAULT_HOST_MEMORY, "workers" if sizes else "default", True)
 
 
-def worker_key(prefix: str, name: str) -> str:
-    return f"{prefix}:workers:{name}"
+def live_workers(db: Session, *, lost_after_s: float) -> list[WorkerMemory]:
+    """Every worker heard from within lost_after_s, as the planner sees it (from the workers table)."""
+    return [WorkerMemory(device="cuda" if w.device == "cuda" else "cpu",
+                         gpu_count=w.slots if w.device == "cuda" else 0,
+                         gpu_memory_bytes=w.memory_bytes if w.device == "cuda" else None,
+                         host_memory_bytes=w.host_memory_bytes)
+            for w in workers.live(db, lost_after_s=lost_after_s)]
 
 
-def publish(redis: Redis, *, prefix: str, name: str, memory: WorkerMemory, ttl_s: int = TTL_S) -> None:
-    redis.set(worker_key(prefix, name), memory.model_dump_json(), ex=ttl_s)
-
-
-def live_workers(redis: Redis, *, prefix: str) -> list[WorkerMemory]:
-    """Every worker whose report has not expired; none when Redis cannot be read (the plan then uses defaults)."""
-    try:
-        keys = list(redis.scan_iter(match=worker_key(prefix, "*"), count=500))
-        values = redis.mget(keys) if keys else []
-    except RedisError:
-        log.warning("cannot read the workers' memory from Redis; planning with defaults")
-        return []
-    workers = []
-    for value in values:
-        if value is None:  # expired between SCAN and MGET
-            continue
-        try:
-            workers.append(WorkerMemory.model_validate_json(value))
-        except ValidationError:
-            log.warning("skipping an unreadable worker report: %r", value[:200])
-    return workers
-
-
-def workers_for(redis: Redis, *, prefix: str, spec: JobSpec) -> list[WorkerMemory]:
+def workers_for(db: Session, *, spec: JobSpec, lost_after_s: float) -> list[WorkerMemory]:
     """The live workers, when the plan needs them: a model to plan and no gpu_memory_gb in the spec."""
     if spec.model is None or spec.resources.gpu_memory_gb:
         return []
-    return live_workers(redis, prefix=prefix)
+    return live_workers(db, lost_after_s=lost_after_s)

@@ -1,4 +1,4 @@
-"""The RQ job function: claim the job, run one attempt under a supervisor, record the outcome."""
+"""The RQ job functions: claim a job (or join a gang's node), run one attempt under a supervisor, record it."""
 
 import json
 import logging
@@ -8,9 +8,12 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from redis import Redis
+from redis.exceptions import RedisError
 from sqlalchemy import or_
 from sqlalchemy.exc import OperationalError
 
+from service import queue
 from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs import retries
 from service.jobs import service as jobs
@@ -18,7 +21,11 @@ from service.jobs.models import Attempt, Job
 from service.jobs.spec import JobSpec
 from service.jobs.status import JobStatus
 from service.settings import Settings, get_settings
-from worker.launch import SPEC_FILE
+from service.workers import service as workers
+from worker import gang
+from worker.inventory import Offer, probe
+from worker.launch import SPEC_FILE, Gang
+from worker.root_cause import is_peer_error
 from worker.supervisor import Outcome, Supervisor
 
 log = logging.getLogger(__name__)
@@ -26,6 +33,8 @@ log = logging.getLogger(__name__)
 # supervisor that acts on them; a request that comes before the supervisor exists is counted, not lost.
 _preempt_requests = 0
 _supervisor: Supervisor | None = None
+offer: Offer | None = None  # what this worker offers (worker/main.py sets it before any work-horse forks)
+PEER_GRACE_S = 2.0  # a gang node that failed only because a peer did waits this long before it settles the job
 
 
 def request_preemption(signum=None, frame=None) -> None:
@@ -41,8 +50,7 @@ def worker_name() -> str:
 
 
 def run_job(job_id: str) -> dict:
-    """Run one attempt of `job_id`; returns what happened (RQ keeps it as the result)."""
-    global _supervisor
+    """Run one attempt of `job_id` (node 0 of it, for a gang); returns what happened (RQ keeps it as the result)."""
     settings = get_settings()
     engine = make_engine(settings.resolved_database_url)
     sessions = make_sessionmaker(engine)
@@ -53,9 +61,56 @@ def run_job(job_id: str) -> dict:
         if claimed is None:
             return {"job_id": job_id, "skipped": True}
         attempt, spec = claimed
-        run_dir = prepare_run_dir(settings, job_id=job_id, attempt=attempt, spec=spec)
+        if spec.resources.nnodes > 1:
+            redis = Redis.from_url(settings.redis_url)
+            try:
+                queue.enqueue_nodes(redis, prefix=settings.queue_prefix, job_id=job_id, attempt=attempt,
+                                    nnodes=spec.resources.nnodes, timeout_s=spec.timeout_s)
+            except RedisError:  # the gang then times out and goes back to the queue
+                log.exception("could not enqueue the node tasks of job %s", job_id)
+            finally:
+                redis.close()
+        return run_attempt(sessions, settings=settings, job_id=job_id, attempt=attempt, spec=spec, node_rank=0)
+    finally:
+        engine.dispose()
+
+
+def run_node(job_id: str, attempt: int, node_rank: int) -> dict:
+    """Join node `node_rank` of a forming gang and run it (RQ's job function for a gang's node task)."""
+    settings = get_settings()
+    engine = make_engine(settings.resolved_database_url)
+    sessions = make_sessionmaker(engine)
+    try:
+        if _preempt_requests:
+            return {"job_id": job_id, "skipped": True}
+        spec = with_retries(lambda: gang.join(sessions, settings=settings, job_id=job_id, attempt=attempt,
+                                              node_rank=node_rank, worker=worker_name()), what="join")
+        if spec is None:
+            return {"job_id": job_id, "node_rank": node_rank, "skipped": True}
+        return run_attempt(sessions, settings=settings, job_id=job_id, attempt=attempt, spec=spec,
+                           node_rank=node_rank)
+    finally:
+        engine.dispose()
+
+
+def run_attempt(sessions, *, settings: Settings, job_id: str, attempt: int, spec: JobSpec, node_rank: int) -> dict:
+    """One node of one attempt: (a gang waits to form), supervise, record; the worker is free again after."""
+    global _supervisor
+    me = offer or probe(settings, name=worker_name())
+    result = {"job_id": job_id, "attempt": attempt, "node_rank": node_rank}
+    try:
+        launch_gang = None
+        if spec.resources.nnodes > 1:
+            endpoint, why = gang.wait_formed(sessions, settings=settings, job_id=job_id, attempt=attempt,
+                                             node_rank=node_rank, offer=me, address=me.address,
+                                             stopping=lambda: _preempt_requests > 0)
+            if endpoint is None:
+                return {**result, "status": why}
+            launch_gang = Gang(nnodes=spec.resources.nnodes, node_rank=node_rank, endpoint=endpoint,
+                               local_addr=me.address, join_timeout_s=max(30.0, settings.gang_timeout_s))
+        run_dir = prepare_run_dir(settings, job_id=job_id, attempt=attempt, spec=spec, node_rank=node_rank)
         supervisor = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=attempt,
-                                spec=spec, run_dir=run_dir)
+                                spec=spec, run_dir=run_dir, gang=launch_gang)
         _supervisor = supervisor
         supervisor.preempt_requests = _preempt_requests  # any that came while it was being set up
         try:
@@ -64,11 +119,20 @@ def run_job(job_id: str) -> dict:
             log.exception("supervising job %s failed", job_id)
             outcome = Outcome(JobStatus.FAILED, error={"type": type(exc).__name__, "message": str(exc),
                                                        "rank": None, "where": "supervisor"})
-        with_retries(lambda: record(sessions, job_id=job_id, attempt=attempt, outcome=outcome), what="record")
-        return {"job_id": job_id, "attempt": attempt, "status": outcome.status.value}
+        if launch_gang is not None and outcome.status == JobStatus.FAILED and is_peer_error(outcome.error):
+            time.sleep(PEER_GRACE_S)  # the node with the root cause settles the job first: its error is the job's
+        with_retries(lambda: record(sessions, job_id=job_id, attempt=attempt, outcome=outcome, node_rank=node_rank),
+                     what="record")
+        return {**result, "status": outcome.status.value}
     finally:
         _supervisor = None
-        engine.dispose()
+        with_retries(lambda: free_worker(sessions, job_id=job_id), what="free the worker")
+
+
+def free_worker(sessions, *, job_id: str) -> None:
+    with sessions() as db:
+        workers.release(db, worker_id=worker_name(), job_id=job_id)
+        db.commit()
 
 
 def claim(sessions, *, settings: Settings, job_id: str) -> tuple[int, JobSpec] | None:
@@ -76,7 +140,7 @@ def claim(sessions, *, settings: Settings, job_id: str) -> tuple[int, JobSpec] |
     with sessions() as db:
         moved = jobs.transition(
             db, job_id=job_id, to=JobStatus.STARTING, detail=f"claimed by {worker_name()}",
-            values={"attempt": Job.attempt + 1, "started_at": utcnow()},
+            values={"attempt": Job.attempt + 1, "started_at": utcnow(), "pending_reason": None},
             # NOTE: a retry dequeued before its backoff ended is left for the sweeper to enqueue again.
             where=[Job.cancel_requested_at.is_(None), or_(Job.not_before.is_(None), Job.not_before <= utcnow())],
         )
@@ -90,12 +154,15 @@ def claim(sessions, *, settings: Settings, job_id: str) -> tuple[int, JobSpec] |
         job = db.get(Job, job_id)
         db.add(Attempt(job_id=job_id, number=job.attempt, worker=worker_name(), node_rank=0,
                        started_at=utcnow(), lease_expires_at=utcnow() + timedelta(seconds=settings.lease_s)))
+        spec = JobSpec.model_validate(job.spec)
+        workers.occupy(db, worker_id=worker_name(), job_id=job_id, slots=spec.resources.nproc_per_node)
         db.commit()
-        return job.attempt, JobSpec.model_validate(job.spec)
+        return job.attempt, spec
 
 
-def prepare_run_dir(settings: Settings, *, job_id: str, attempt: int, spec: JobSpec) -> Path:
-    run_dir = (settings.runs_dir / job_id / f"attempt-{attempt}").resolve()
+def prepare_run_dir(settings: Settings, *, job_id: str, attempt: int, spec: JobSpec, node_rank: int = 0) -> Path:
+    node = f"-node-{node_rank}" if node_rank else ""  # the nodes of a gang may share one data dir
+    run_dir = (settings.runs_dir / job_id / f"attempt-{attempt}{node}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / SPEC_FILE).write_text(json.dumps(spec.model_dump(mode="json"), indent=2))
     return run_dir
@@ -113,27 +180,26 @@ def with_retries(fn, *, what: str, tries: int = 7, first_s: float = 0.5):
             time.sleep(first_s * 2**i)
 
 
-def record(sessions, *, job_id: str, attempt: int, outcome: Outcome) -> None:
+def record(sessions, *, job_id: str, attempt: int, outcome: Outcome, node_rank: int = 0) -> None:
     """The final compare-and-set; fenced by attempt so a stale worker cannot overwrite a newer one.
 
     A failure goes through the retry rule (service/jobs/retries.py): back to queued while retries remain
-    and the error is worth another try, else failed. A job handed back on shutdown is requeued for free.
+    and the error is worth another try, else failed; in a gang it stops every other node too. A job handed
+    back on shutdown is requeued for free. A success or a cancel is the job's once its last node ends.
     """
     with sessions() as db:
         if outcome.status == JobStatus.QUEUED:
-            moved = retries.hand_back(db, job_id=job_id, attempt=attempt,
+            moved = retries.hand_back(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
                                       detail=outcome.detail or "handed back by its worker")
         elif outcome.status == JobStatus.FAILED:
             moved = retries.settle_failure(db, job_id=job_id, attempt=attempt, error=outcome.error or {},
-                                           exit_code=outcome.exit_code) is not None
+                                           exit_code=outcome.exit_code, node_rank=node_rank) is not None
         else:
             # A success after retries keeps the earlier attempts' causes in `error`.
-            values = {"summary": outcome.summary} | ({"error": outcome.error} if outcome.error else {})
-            moved = jobs.transition(db, job_id=job_id, to=outcome.status, attempt=attempt, values=values,
-                                    detail=(outcome.error or {}).get("message"))
-            retries.close_attempt(db, job_id=job_id, attempt=attempt, status=outcome.status.value,
-                                  error=outcome.error, exit_code=outcome.exit_code)
+            moved = retries.finish_node(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
+                                        status=outcome.status, summary=outcome.summary, error=outcome.error,
+                                        exit_code=outcome.exit_code)
         db.commit()
     if not moved:
-        log.warning("job %s attempt %s: outcome %s not recorded (the job moved on)", job_id, attempt,
-                    outcome.status)
+        log.warning("job %s attempt %s node %s: outcome %s not recorded (the job moved on)", job_id, attempt,
+                    node_rank, outcome.status)

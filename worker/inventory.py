@@ -1,18 +1,36 @@
-"""What this machine offers jobs (GPU and host memory), kept fresh in Redis for the control plane's planner."""
+"""What this machine offers jobs (device, slots, memory, labels), registered in the workers table and kept fresh."""
 
 import logging
+import os
 import shutil
+import socket
 import subprocess
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 import psutil
-from redis import Redis
-from redis.exceptions import RedisError
+from sqlalchemy.orm import Session, sessionmaker
 
-from service.workers_registry import REFRESH_S, WorkerMemory, publish, worker_key
+from service.settings import Settings
+from service.workers import service as workers
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One worker as a job sees it."""
+
+    id: str  # the worker's name
+    host: str
+    address: str
+    device: str
+    slots: int
+    memory_bytes: int | None  # per device: the smallest GPU's, or on CPU the host's
+    host_memory_bytes: int
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 def gpu_memory() -> tuple[int, int | None]:
@@ -30,35 +48,81 @@ def gpu_memory() -> tuple[int, int | None]:
     return (len(mib), min(mib) * 2**20) if mib else (0, None)
 
 
-def probe() -> WorkerMemory:
+def parse_labels(text: str | list[str] | None) -> dict[str, str]:
+    """`k=v,k2=v2` (or a list of `k=v`) to a dict; a label without `=` is refused."""
+    items = text if isinstance(text, list) else (text or "").split(",")
+    labels = {}
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"a worker label is key=value, not {item!r}")
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+def reachable_address(redis_url: str) -> str:
+    """The local address of the route to Redis: the one other machines of the same cluster can reach."""
+    url = urlparse(redis_url)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((url.hostname or "127.0.0.1", url.port or 6379))  # UDP: no packet is sent
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def probe(settings: Settings, *, name: str, labels: dict[str, str] | None = None) -> Offer:
+    """Detect, then apply what the settings (or `trainjobs worker` flags) override."""
     count, gpu_bytes = gpu_memory()
-    # psutil reads /proc/meminfo on Linux (MemTotal) and works elsewhere too.
-    return WorkerMemory(device="cuda" if count else "cpu", gpu_count=count, gpu_memory_bytes=gpu_bytes,
-                        host_memory_bytes=psutil.virtual_memory().total)
+    host_bytes = psutil.virtual_memory().total  # /proc/meminfo's MemTotal on Linux
+    device = settings.worker_device or ("cuda" if count else "cpu")
+    detected_slots = count if device == "cuda" else (os.cpu_count() or 1)
+    address = settings.worker_address or reachable_address(settings.redis_url)
+    return Offer(id=name, host=socket.gethostname(), address=address,
+                 device=device, slots=settings.worker_slots or max(1, detected_slots),
+                 memory_bytes=gpu_bytes if device == "cuda" else host_bytes, host_memory_bytes=host_bytes,
+                 labels={**parse_labels(settings.worker_labels), **(labels or {})})
 
 
-def start_publisher(redis: Redis, *, prefix: str, name: str, every_s: float = REFRESH_S) -> Callable[[], None]:
-    """Publish this worker's memory now and every every_s from a daemon thread; returns the stop function."""
-    memory, stopped = probe(), threading.Event()
+def register(sessions: sessionmaker[Session], *, offer: Offer) -> None:
+    with sessions() as db:
+        workers.register(db, worker_id=offer.id, host=offer.host, address=offer.address, device=offer.device,
+                         slots=offer.slots, memory_bytes=offer.memory_bytes,
+                         host_memory_bytes=offer.host_memory_bytes, labels=offer.labels)
+        db.commit()
+
+
+def start_heartbeat(sessions: sessionmaker[Session], *, offer: Offer, every_s: float,
+                    draining: Callable[[], bool]) -> Callable[[], None]:
+    """Register now, renew last_seen every every_s from a daemon thread; returns the stop function (deregisters)."""
+    register(sessions, offer=offer)
+    name = offer.id
+    stopped = threading.Event()
 
     def loop() -> None:
-        while True:
+        while not stopped.wait(every_s):
             try:
-                publish(redis, prefix=prefix, name=name, memory=memory)
-            except RedisError:
-                log.warning("could not publish this worker's memory; retrying in %.0fs", every_s)
-            if stopped.wait(every_s):
-                return
+                with sessions() as db:
+                    found = workers.beat(db, worker_id=name, draining=draining())
+                    db.commit()
+                if not found:  # pruned while we were cut off: come back
+                    register(sessions, offer=offer)
+            except Exception:  # noqa: BLE001 - a database blip: the next beat tries again
+                log.warning("worker heartbeat failed; retrying in %.1fs", every_s, exc_info=True)
 
     def stop() -> None:
         stopped.set()
         thread.join(timeout=5)
         try:
-            redis.delete(worker_key(prefix, name))
-        except RedisError:
-            pass  # the key expires on its own
+            with sessions() as db:
+                workers.remove(db, worker_id=name)
+                db.commit()
+        except Exception:  # noqa: BLE001 - the row then shows as lost, and is pruned later
+            log.warning("could not remove worker %s from the workers table", name, exc_info=True)
 
-    thread = threading.Thread(target=loop, name="memory-publisher", daemon=True)
+    thread = threading.Thread(target=loop, name="worker-heartbeat", daemon=True)
     thread.start()
-    log.info("worker %s offers %s", name, memory.model_dump_json())
+    log.info("worker %s offers %s", name, offer)
     return stop

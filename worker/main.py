@@ -1,5 +1,7 @@
-"""`trainjobs worker`: an RQ worker serving the high, normal and low queues in order; SIGTERM hands its job back."""
+"""`trainjobs worker`: an RQ worker serving gang node tasks, then the high, normal and low queues, taking only
+what it fits (worker/dispatch.py); registered in the workers table with a heartbeat; SIGTERM hands its job back."""
 
+import argparse
 import logging
 import os
 import signal
@@ -7,15 +9,17 @@ import socket
 from datetime import timedelta
 
 from redis import Redis
-from rq import Queue, Worker
+from rq import Worker
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-import worker.agent  # noqa: F401 - preloaded: each forked work-horse starts with it imported
+import worker.agent  # preloaded: each forked work-horse starts with it imported
+from service.db import make_engine, make_sessionmaker
 from service.queue import queue_names
 from service.settings import get_settings
 from worker.agent import request_preemption
-from worker.inventory import start_publisher
+from worker.dispatch import Chooser, FittingQueue
+from worker.inventory import probe, start_heartbeat
 from worker.launch import PREEMPT_SIGNAL
 
 
@@ -30,6 +34,7 @@ class PreemptingWorker(Worker):
     """
 
     _hard_stop_asked = False
+    draining = False  # shutting down: the workers table says so
 
     def setup_work_horse_signals(self) -> None:
         super().setup_work_horse_signals()
@@ -37,6 +42,7 @@ class PreemptingWorker(Worker):
         signal.signal(PREEMPT_SIGNAL, request_preemption)
 
     def request_stop(self, signum, frame) -> None:
+        self.draining = True
         self._tell_horse()
         super().request_stop(signum, frame)
 
@@ -58,20 +64,54 @@ class PreemptingWorker(Worker):
                 pass
 
 
-def main(burst: bool = False) -> None:
+def main(burst: bool = False, *, slots: int | None = None, device: str | None = None,
+         labels: list[str] | None = None, address: str | None = None) -> None:
+    """Flags override the environment (TRAINJOBS_WORKER_SLOTS, _DEVICE, _LABELS, _ADDRESS), then detection."""
+    for key, value in (("SLOTS", slots), ("DEVICE", device), ("ADDRESS", address)):
+        if value is not None:
+            os.environ[f"TRAINJOBS_WORKER_{key}"] = str(value)
+    if labels:
+        os.environ["TRAINJOBS_WORKER_LABELS"] = ",".join([os.environ.get("TRAINJOBS_WORKER_LABELS", ""), *labels])
+    get_settings.cache_clear()  # the work-horses read the same, through the environment
     settings = get_settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    redis = Redis.from_url(settings.redis_url)
-    queues = [Queue(n, connection=redis, serializer=JSONSerializer) for n in queue_names(settings.queue_prefix)]
     name = os.environ.get("TRAINJOBS_WORKER_NAME") or f"{socket.gethostname()}-{os.getpid()}"
     os.environ["TRAINJOBS_WORKER_NAME"] = name
-    worker = PreemptingWorker(queues, connection=redis, serializer=JSONSerializer, name=name)
-    stop_publishing = start_publisher(redis, prefix=settings.queue_prefix, name=name)  # for the memory plan
+    offer = probe(settings, name=name)
+    worker.agent.offer = offer  # each work-horse inherits it (gang endpoints, busy slots)
+    engine = make_engine(settings.resolved_database_url)
+    # NOTE: a forked work-horse must never use (or close) the pooled connections it inherited.
+    os.register_at_fork(after_in_child=lambda: engine.dispose(close=False))
+    sessions = make_sessionmaker(engine)
+    FittingQueue.chooser = Chooser(sessions, offer, lost_after_s=settings.lease_s)
+    redis = Redis.from_url(settings.redis_url)
+    queues = [FittingQueue(n, connection=redis, serializer=JSONSerializer) for n in queue_names(settings.queue_prefix)]
+    rq_worker = PreemptingWorker(queues, connection=redis, serializer=JSONSerializer, name=name,
+                                 queue_class=FittingQueue)
+    stop_heartbeat = start_heartbeat(sessions, offer=offer, every_s=settings.heartbeat_s,
+                                     draining=lambda: rq_worker.draining)
     try:
-        worker.work(burst=burst, with_scheduler=False)
+        rq_worker.work(burst=burst, with_scheduler=False)
     finally:
-        stop_publishing()
+        stop_heartbeat()
+        engine.dispose()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="worker.main", description="a trainjobs worker")
+    add_offer_flags(parser)
+    parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    return parser.parse_args(argv)
+
+
+def add_offer_flags(parser: argparse.ArgumentParser) -> None:
+    """--slots, --device, --label, --address: what this worker offers, overriding what it detects."""
+    parser.add_argument("--slots", type=int, help="processes (CPU) or GPUs (CUDA) a job may use here")
+    parser.add_argument("--device", choices=["cpu", "cuda"])
+    parser.add_argument("--label", action="append", metavar="K=V", help="a label jobs select with resources.selector")
+    parser.add_argument("--address", help="how other nodes reach this one (a gang's rendezvous)")
 
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    main(burst=args.burst, slots=args.slots, device=args.device, labels=args.label, address=args.address)

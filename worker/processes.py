@@ -55,24 +55,29 @@ def signal_ranks(root_pid: int, sig: int) -> int:
 def find_processes(root_pid: int, tag: str) -> list[psutil.Process]:
     """The root, its descendants, and any process whose environment carries the run tag."""
     found: dict[int, psutil.Process] = {}
+    needle = f"{RUN_TAG_ENV}={tag}".encode()
     try:
         root = psutil.Process(root_pid)
-        found[root.pid] = root
-        for child in root.children(recursive=True):
-            found[child.pid] = child
+        # NOTE: once torchrun is reaped its pid may belong to another process (pids wrap at pid_max, 32768 on
+        # many machines): its tree counts only while the root still carries our tag.
+        if _tagged(root.pid, needle):
+            found[root.pid] = root
+            for child in root.children(recursive=True):
+                found[child.pid] = child
     except psutil.NoSuchProcess:
         pass
-    needle = f"{RUN_TAG_ENV}={tag}"
     for proc in psutil.process_iter():
-        if proc.pid in found:
-            continue
-        try:
-            with open(f"/proc/{proc.pid}/environ", "rb") as f:
-                if needle.encode() in f.read().split(b"\0"):
-                    found[proc.pid] = proc
-        except OSError:
-            continue
+        if proc.pid not in found and _tagged(proc.pid, needle):
+            found[proc.pid] = proc
     return [p for p in found.values() if _alive(p)]
+
+
+def _tagged(pid: int, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return needle in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -1,6 +1,5 @@
 """Launch torchrun for one attempt and watch it: ship output and metrics, honour cancel and timeout."""
 
-import json
 import logging
 import os
 import shutil
@@ -22,14 +21,12 @@ from service.jobs.spec import JobSpec
 from service.jobs.status import JobStatus
 from service.settings import Settings
 from worker import launch, processes
+from worker.root_cause import root_cause
 from worker.shipping import LogShipper, MetricTail, OutputPump
 
 log = logging.getLogger(__name__)
 LIVE = (JobStatus.STARTING, JobStatus.RUNNING)
 PREEMPT_RESEND_S = 1.0  # how often a preemption request is repeated to the ranks until they act on it
-# Errors a rank reports when a *peer* died: never the root cause when another rank has one.
-PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
-               "SignalException", "Broken pipe")
 
 
 @dataclass
@@ -43,17 +40,19 @@ class Outcome:
 
 
 class Supervisor:
-    """One attempt of one job on this node, from launch to the last process gone."""
+    """One attempt of one job on this node (of its gang), from launch to the last process gone."""
 
     def __init__(self, *, sessions: sessionmaker[Session], settings: Settings, job_id: str, attempt: int,
-                 spec: JobSpec, run_dir: Path):
+                 spec: JobSpec, run_dir: Path, gang: launch.Gang | None = None):
         self.sessions, self.settings, self.spec = sessions, settings, spec
-        self.job_id, self.attempt, self.run_dir = job_id, attempt, run_dir
-        self.tag = launch.run_tag(job_id, attempt)
+        self.job_id, self.attempt, self.run_dir, self.gang = job_id, attempt, run_dir, gang
+        self.node_rank = gang.node_rank if gang else 0
+        self.tag = launch.run_tag(job_id, attempt, self.node_rank)
         self.metrics = MetricTail(run_dir / "metrics.jsonl")
         self.cancel_requested = False
         self.lease_lost = False  # the sweeper gave the job away: stop, write nothing more
         self._renewed = -float("inf")  # when the lease was last renewed (monotonic)
+        self._lease_extra_s = 0.0  # added to the lease while the ranks are being stopped
         self.preempt_requests = 0  # the worker is shutting down: 1 = checkpoint and hand back, 2 = stop now
         self._preempt_since: float | None = None
         self._preempt_sent = -float("inf")
@@ -71,7 +70,7 @@ class Supervisor:
             data_dir=self.settings.data_dir, job_dir=job_dir,
             shutdown_grace_s=self.settings.cancel_grace_s,
             base_env=launch.default_env(), cpu_count=os.cpu_count() or 1,
-            scripts_dir=scripts_dir, entry_script=entry_script,
+            scripts_dir=scripts_dir, entry_script=entry_script, gang=self.gang,
         )
         for folder in (storage.CHECKPOINTS, storage.ARTIFACTS):  # a user's script may write straight into them
             (job_dir / folder).mkdir(parents=True, exist_ok=True)
@@ -79,7 +78,7 @@ class Supervisor:
         (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
         processes.become_subreaper()
         with self.sessions() as db:
-            self.logs = LogShipper(db, job_id=self.job_id, attempt=self.attempt,
+            self.logs = LogShipper(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
                                    max_bytes=self.settings.log_max_bytes)
         # A session of its own, so a signal to the worker's terminal never reaches the ranks directly.
         proc = subprocess.Popen(
@@ -88,9 +87,10 @@ class Supervisor:
         )
         pump = OutputPump(proc.stdout.fileno())
         try:
+            moved = self.gang is not None  # a gang turned running when it formed (worker/gang.py)
             with self.sessions() as db:
-                moved = jobs.transition(db, job_id=self.job_id, to=JobStatus.RUNNING, attempt=self.attempt,
-                                        detail=f"torchrun pid {proc.pid}")
+                moved = moved or jobs.transition(db, job_id=self.job_id, to=JobStatus.RUNNING, attempt=self.attempt,
+                                                 detail=f"torchrun pid {proc.pid}")
                 db.commit()
             stop_reason = None if moved else "lost"
             started = time.monotonic()
@@ -110,10 +110,18 @@ class Supervisor:
                     elif self._preempt_past_grace(proc.pid):
                         stop_reason = "preempted"
                 if stop_reason is not None:
+                    if stop_reason != "lost":
+                        # stop_all blocks through the grace period: hold the lease past it, so a slow-dying
+                        # cancel is not settled as a lost worker meanwhile.
+                        self._lease_extra_s, self._renewed = self.settings.cancel_grace_s + 2, float("-inf")
+                        self._ship(pump)
                     killed = processes.stop_all(proc, self.tag, self.settings.cancel_grace_s)
                     exit_code = proc.wait()
                     break
                 time.sleep(self.settings.poll_s)
+            if processes.find_processes(proc.pid, self.tag):  # torchrun is gone; a straggler holds the pipe open
+                log.warning("attempt %s: ranks outlived torchrun; stopping them", self.tag)
+                killed += processes.stop_all(proc, self.tag, min(1.0, self.settings.cancel_grace_s))
             pump.join()
             self.logs.stage(pump.take(), final=True)
             self._ship(pump)
@@ -162,9 +170,11 @@ class Supervisor:
                 job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at)
                                  .where(Job.id == self.job_id).with_for_update()).one_or_none()
                 renew = time.monotonic() - self._renewed >= self.settings.heartbeat_s
-                expires = utcnow() + timedelta(seconds=self.settings.lease_s) if renew else Attempt.lease_expires_at
+                expires = (utcnow() + timedelta(seconds=self.settings.lease_s + self._lease_extra_s) if renew
+                           else Attempt.lease_expires_at)
                 lease = db.execute(update(Attempt).where(
-                    Attempt.job_id == self.job_id, Attempt.number == self.attempt, Attempt.status == "active",
+                    Attempt.job_id == self.job_id, Attempt.number == self.attempt, Attempt.node_rank == self.node_rank,
+                    Attempt.status == "active",
                 ).values(lease_expires_at=expires))
                 if job is None or job.attempt != self.attempt or job.status not in LIVE or lease.rowcount != 1:
                     db.rollback()
@@ -172,11 +182,13 @@ class Supervisor:
                     return
                 self.logs.write(db)
                 self.metrics.write(db, job_id=self.job_id, attempt=self.attempt)
-                changes = {"progress": self._progress()}
                 if self.metrics.resumed_from_step is not None:
                     db.execute(update(Attempt).where(Attempt.job_id == self.job_id, Attempt.number == self.attempt)
                                .values(resumed_from_step=self.metrics.resumed_from_step))
-                db.execute(update(Job).where(Job.id == self.job_id, Job.attempt == self.attempt).values(**changes))
+                # NOTE: in a gang only the node that runs global rank 0 has metrics: the others keep quiet.
+                if self.gang is None or self.metrics.last_step:
+                    db.execute(update(Job).where(Job.id == self.job_id, Job.attempt == self.attempt)
+                               .values(progress=self._progress()))
                 db.commit()
             self.logs.committed()
             self.metrics.committed()
@@ -204,7 +216,9 @@ class Supervisor:
                      "rank": None, "exit_code": exit_code}
             return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
         # The built-in runtime always ends with a summary; a user's script need not report at all.
-        finished = exit_code == 0 and (self.metrics.summary is not None or self.spec.entrypoint is not None)
+        # A node of a gang whose ranks do not include global rank 0 has no summary to show.
+        finished = exit_code == 0 and (self.metrics.summary is not None or self.spec.entrypoint is not None
+                                       or self.gang is not None)
         # NOTE: whatever else ended it while the worker shuts down (a job that finished in the grace apart),
         # the job goes back to the queue: not failed, no retry spent.
         if stop_reason == "preempted" or (self.preempt_requests and not finished):
@@ -216,32 +230,6 @@ class Supervisor:
             return Outcome(JobStatus.QUEUED, exit_code, detail=detail, killed_pids=killed)
         if finished:
             return Outcome(JobStatus.SUCCEEDED, exit_code, summary=self.metrics.summary)
-        return Outcome(JobStatus.FAILED, exit_code, error=self._error(exit_code))
-
-    def _error(self, exit_code: int | None) -> dict:
-        """The root cause from the ranks' torchrun error files (@record), else the exit code."""
-        excerpt = self.logs.recent[-4000:]
-        candidates = []
-        for path in (self.run_dir / "torchelastic").glob("**/error.json"):
-            try:
-                body = json.loads(path.read_text())["message"]
-                local_rank = int(path.parent.name)
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            message = body["message"] if isinstance(body, dict) else str(body)
-            extra = body.get("extraInfo", {}) if isinstance(body, dict) else {}
-            is_peer = any(p in message for p in PEER_ERRORS)
-            candidates.append((is_peer, int(extra.get("timestamp", 0) or 0), local_rank, message,
-                               extra.get("py_callstack", "")))
-        if not candidates:
-            message = (f"torchrun exited with code {exit_code} and no rank reported an exception"
-                       if exit_code else "training ended without a summary")
-            if self.spec.entrypoint is not None:  # no @record in a user's script: its traceback is in the logs
-                message = f"the entrypoint exited with code {exit_code}; its output is in the job's logs"
-            return {"type": "process_exit", "message": message, "rank": None, "exit_code": exit_code,
-                    "excerpt": excerpt}
-        _, raised_at, local_rank, message, stack = min(candidates)
-        kind, _, text = message.partition(": ")
-        rank = local_rank  # single node: the global rank is the local one
-        return {"type": kind or "Error", "message": text or message, "rank": rank, "exit_code": exit_code,
-                "traceback": stack[-4000:], "excerpt": excerpt, "raised_at": raised_at or None}
+        return Outcome(JobStatus.FAILED, exit_code, error=root_cause(
+            self.run_dir, exit_code, excerpt=self.logs.recent[-4000:], entrypoint=self.spec.entrypoint is not None,
+            node_rank=self.node_rank, nproc=self.spec.resources.nproc_per_node if self.gang else None))

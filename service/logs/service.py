@@ -1,4 +1,5 @@
-"""Append and read a job's log as one byte-addressed stream across attempts."""
+"""Append and read a job's log: one byte-addressed stream per node rank across attempts (node 0: the whole log
+of a single-node job)."""
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -6,10 +7,11 @@ from sqlalchemy.orm import Session
 from service.logs.models import LogChunk
 
 
-def log_size(db: Session, *, job_id: str) -> tuple[int, int]:
-    """(bytes stored so far, next seq) for the job."""
+def log_size(db: Session, *, job_id: str, node_rank: int = 0) -> tuple[int, int]:
+    """(bytes stored so far, next seq) for the job's node."""
     end, seq = db.execute(
-        select(func.max(LogChunk.start + LogChunk.length), func.max(LogChunk.seq)).where(LogChunk.job_id == job_id)
+        select(func.max(LogChunk.start + LogChunk.length), func.max(LogChunk.seq))
+        .where(LogChunk.job_id == job_id, LogChunk.node_rank == node_rank)
     ).one()
     return end or 0, (seq or 0) + 1
 
@@ -22,15 +24,15 @@ def append(db: Session, *, job_id: str, attempt: int, start: int, seq: int, text
     return length
 
 
-def read(db: Session, *, job_id: str, offset: int = 0) -> tuple[bytes, int]:
-    """The log from byte `offset` to the end, and the offset to ask for next."""
+def read(db: Session, *, job_id: str, offset: int = 0, node_rank: int = 0) -> tuple[bytes, int]:
+    """The node's log from byte `offset` to the end, and the offset to ask for next."""
     chunks = db.scalars(
         select(LogChunk)
-        .where(LogChunk.job_id == job_id, LogChunk.start + LogChunk.length > offset)
+        .where(LogChunk.job_id == job_id, LogChunk.node_rank == node_rank, LogChunk.start + LogChunk.length > offset)
         .order_by(LogChunk.start)
     ).all()
     if not chunks:
-        return b"", max(offset, log_size(db, job_id=job_id)[0])
+        return b"", max(offset, log_size(db, job_id=job_id, node_rank=node_rank)[0])
     data = b"".join(c.text.encode() for c in chunks)
     skip = max(0, offset - chunks[0].start)
     return data[skip:], chunks[-1].start + chunks[-1].length

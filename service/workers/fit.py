@@ -1,0 +1,78 @@
+"""Whether a worker can run (one node of) a job, and why a queued job waits: pure, over plain values.
+
+A job needs, on every node: the device kind, nproc_per_node slots, the plan's memory per device (on CPU the
+ranks share the host, so nproc times it), and every label of resources.selector. A gang (nnodes > 1) needs
+that many live workers that fit, one node each.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+GiB = 2**30
+
+
+class Offer(Protocol):
+    id: str
+    device: str
+    slots: int
+    memory_bytes: int | None
+    labels: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Need:
+    device: str  # cpu | cuda | auto
+    slots: int
+    memory_bytes: int | None  # on one device of a worker of the plan's device kind
+    memory_device: str | None  # the device kind the plan was made for
+    labels: dict[str, str] = field(default_factory=dict)
+    nodes: int = 1
+
+
+def need_of(spec: dict[str, Any], plan: dict[str, Any] | None) -> Need:
+    """What one node of the job needs, from its stored spec and memory plan."""
+    res = spec.get("resources", {})
+    nproc = res.get("nproc_per_node", 1)
+    estimate = (plan or {}).get(spec.get("strategy"), {}).get("total_bytes") if plan else None
+    memory_device = (plan or {}).get("device")
+    if estimate is not None and memory_device == "cpu":
+        estimate *= nproc  # the plan is per rank; on a CPU host the ranks share one memory
+    return Need(device=res.get("device", "cpu"), slots=nproc, memory_bytes=estimate, memory_device=memory_device,
+                labels=dict(res.get("selector") or {}), nodes=res.get("nnodes", 1))
+
+
+def misfit(need: Need, worker: Offer) -> str | None:
+    """Why `worker` cannot run one node of the job; None when it can."""
+    if need.device != "auto" and worker.device != need.device:
+        return f"device {worker.device}, needs {need.device}"
+    if worker.slots < need.slots:
+        return f"{worker.slots} slot(s), needs {need.slots}"
+    if (need.memory_bytes is not None and worker.memory_bytes is not None and worker.device == need.memory_device
+            and worker.memory_bytes < need.memory_bytes):
+        return f"{worker.memory_bytes / GiB:.1f} GiB per device, needs {need.memory_bytes / GiB:.1f} GiB"
+    labels = worker.labels or {}
+    missing = {k: v for k, v in need.labels.items() if str(labels.get(k)) != v}
+    if missing:
+        return "lacks label(s) " + ", ".join(f"{k}={v}" for k, v in sorted(missing.items()))
+    return None
+
+
+def fitting(need: Need, workers: Sequence[Offer]) -> list[Offer]:
+    return [w for w in workers if misfit(need, w) is None]
+
+
+def pending_reason(need: Need, live: Sequence[Offer], *, busy: set[str] = frozenset()) -> str | None:
+    """Why a queued job waits, in words; None when workers that fit are free (it is about to run)."""
+    if not live:
+        return "no live worker"
+    fit = fitting(need, live)
+    if len(fit) < need.nodes:
+        misses = "; ".join(f"{w.id}: {m}" for w in live if (m := misfit(need, w)))[:400]
+        if need.nodes == 1:
+            return f"no live worker fits ({misses})"
+        return f"needs {need.nodes} nodes that fit, {len(fit)} live worker(s) do ({misses})"
+    free = [w for w in fit if w.id not in busy]
+    if len(free) < need.nodes:
+        return f"waiting for a free worker: {len(fit)} fit, {len(fit) - len(free)} busy"
+    return None

@@ -1,0 +1,64 @@
+"""What the sweeper writes about queued jobs: why each one waits, and priority aging so `low` never starves."""
+
+import logging
+from datetime import timedelta
+
+from redis import Redis
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service import queue
+from service.db import utcnow
+from service.jobs import service as jobs
+from service.jobs.models import Job
+from service.jobs.status import JobStatus
+from service.workers import fit
+from service.workers import service as workers
+
+log = logging.getLogger(__name__)
+SCAN = 500  # queued jobs looked at per pass, oldest first
+UP = {"low": "normal", "normal": "high"}
+
+
+def explain(db: Session, *, lost_after_s: float) -> int:
+    """Write each queued job's pending_reason (None once workers that fit are free). The caller commits."""
+    live = workers.live(db, lost_after_s=lost_after_s)
+    busy = {w.id for w in live if w.current_job}
+    now, changed = utcnow(), 0
+    rows = db.execute(select(Job.id, Job.spec, Job.plan, Job.pending_reason, Job.not_before)
+                      .where(Job.status == JobStatus.QUEUED).order_by(Job.id).limit(SCAN)).all()
+    for row in rows:
+        reason = fit.pending_reason(fit.need_of(row.spec, row.plan), live, busy=busy)
+        if reason is None and row.not_before is not None and row.not_before > now:
+            reason = f"retry backoff until {row.not_before.isoformat(timespec='seconds')}"
+        if reason != row.pending_reason:
+            changed += db.execute(update(Job).where(Job.id == row.id, Job.status == JobStatus.QUEUED)
+                                  .values(pending_reason=reason)).rowcount
+    return changed
+
+
+def age(db: Session, redis: Redis, *, prefix: str, aging_s: float) -> list[str]:
+    """A job queued longer than aging_s moves up one priority (low → normal → high), by compare-and-set.
+
+    Its wait restarts at the new level, so `low` reaches `high` after twice aging_s. Its queue entry moves
+    with it (after the commit: the row is the truth, the entry only a hint the reconciler can rebuild).
+    """
+    cutoff = utcnow() - timedelta(seconds=aging_s)
+    moved = []
+    for job_id, priority, spec in db.execute(select(Job.id, Job.priority, Job.spec).where(
+            Job.status == JobStatus.QUEUED, Job.priority.in_(list(UP)), Job.queued_at <= cutoff).limit(SCAN)):
+        done = db.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED,
+                                            Job.priority == priority, Job.queued_at <= cutoff)
+                          .values(priority=UP[priority], queued_at=utcnow())).rowcount
+        if done:
+            jobs.record_event(db, job_id=job_id, kind="aged",
+                              detail=f"waited over {aging_s:g}s: priority {priority} → {UP[priority]}")
+            moved.append((job_id, priority, spec.get("timeout_s", 3600)))
+    db.commit()
+    for job_id, priority, timeout_s in moved:
+        old = queue.get_queue(redis, prefix, priority)
+        if old.remove(job_id):  # else a worker has it, or the reconciler will enqueue it at its new level
+            queue.enqueue(redis, prefix=prefix, job_id=job_id, priority=UP[priority], timeout_s=timeout_s)
+    if moved:
+        log.info("aged %d queued job(s) up one priority: %s", len(moved), [m[0] for m in moved])
+    return [m[0] for m in moved]

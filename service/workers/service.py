@@ -1,0 +1,70 @@
+"""Workers in the database: register, heartbeat, occupy and release, list (the database is the truth)."""
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import case, delete, select, update
+from sqlalchemy.orm import Session
+
+from service.db import utcnow
+from service.workers.models import Worker
+
+PRUNE_AFTER_S = 3600.0  # a lost worker stays listed (as lost) this long, then its row goes
+
+
+def register(db: Session, *, worker_id: str, host: str, address: str, device: str, slots: int,
+             memory_bytes: int | None, host_memory_bytes: int | None, labels: dict[str, str]) -> None:
+    """Insert or refresh this worker's row (a restart under the same name starts idle). The caller commits."""
+    now = utcnow()
+    db.merge(Worker(id=worker_id, host=host, address=address, device=device, slots=slots, busy_slots=0,
+                    memory_bytes=memory_bytes, host_memory_bytes=host_memory_bytes, labels=labels,
+                    state="idle", current_job=None, started_at=now, last_seen=now))
+
+
+def beat(db: Session, *, worker_id: str, draining: bool = False) -> bool:
+    """Renew last_seen (and say so when draining); False when the row is gone (pruned): register again."""
+    values: dict = {"last_seen": utcnow()}
+    if draining:
+        values["state"] = "draining"
+    return db.execute(update(Worker).where(Worker.id == worker_id).values(**values)).rowcount == 1
+
+
+def occupy(db: Session, *, worker_id: str, job_id: str, slots: int) -> None:
+    """The worker took a job (in the claim's transaction)."""
+    db.execute(update(Worker).where(Worker.id == worker_id).values(
+        current_job=job_id, busy_slots=slots, last_seen=utcnow(),
+        state=case((Worker.state == "draining", "draining"), else_="busy")))
+
+
+def release(db: Session, *, worker_id: str, job_id: str) -> None:
+    """The worker is done with job_id (if it still holds that one)."""
+    db.execute(update(Worker).where(Worker.id == worker_id, Worker.current_job == job_id).values(
+        current_job=None, busy_slots=0, state=case((Worker.state == "draining", "draining"), else_="idle")))
+
+
+def remove(db: Session, *, worker_id: str) -> None:
+    """A worker that stops cleanly leaves the list at once."""
+    db.execute(delete(Worker).where(Worker.id == worker_id))
+
+
+def is_lost(worker: Worker, *, now: datetime, lost_after_s: float) -> bool:
+    return (now - worker.last_seen).total_seconds() > lost_after_s
+
+
+def shown_state(worker: Worker, *, now: datetime, lost_after_s: float) -> str:
+    return "lost" if is_lost(worker, now=now, lost_after_s=lost_after_s) else worker.state
+
+
+def list_workers(db: Session) -> list[Worker]:
+    return list(db.scalars(select(Worker).order_by(Worker.id)))
+
+
+def live(db: Session, *, lost_after_s: float) -> list[Worker]:
+    """Workers heard from within lost_after_s (the lease: a worker silent that long is lost)."""
+    since = utcnow() - timedelta(seconds=lost_after_s)
+    return list(db.scalars(select(Worker).where(Worker.last_seen >= since).order_by(Worker.id)))
+
+
+def prune(db: Session, *, older_than_s: float = PRUNE_AFTER_S) -> int:
+    """Forget workers lost for a long while (the caller commits)."""
+    since = utcnow() - timedelta(seconds=older_than_s)
+    return db.execute(delete(Worker).where(Worker.last_seen < since)).rowcount

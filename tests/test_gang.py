@@ -1,0 +1,157 @@
+"""Multi-node jobs on one machine: two (or three) 1-slot workers, each one node of a gang, c10d rendezvous, gloo.
+
+The gang's losses equal a 1-node 2-process run of the same spec; each node shows in the attempts and has its
+own log. A worker killed mid-run stops the whole gang on the other node too, and the job is retried as one.
+"""
+
+import time
+
+import psutil
+import pytest
+from sqlalchemy import create_engine, select
+
+from service.jobs.models import JobEvent
+from tests.conftest import mlp_spec
+from tests.helpers import live_stack, processes_of, run_torchrun, wait_for, wait_terminal
+
+LEASE_S = 4.0
+GANG_TIMEOUT_S = 8.0
+
+
+@pytest.fixture(scope="module")
+def stack(postgres_url, tmp_path_factory):
+    with live_stack(postgres_url, tmp_path_factory.mktemp("gang"), name="gang", workers=0, lease_s=LEASE_S,
+                    heartbeat_s=0.5, sweep_s=0.5, gang_timeout_s=GANG_TIMEOUT_S) as s:
+        s.add_workers(2, args=["--slots", "1"])
+        yield s
+
+
+@pytest.fixture
+def api(stack):
+    with stack.client(timeout=10) as client:
+        wait_for(lambda: sum(w["state"] != "lost" for w in client.get("/v1/workers").json()["items"]) >= 2, 30,
+                 what="two live workers")
+        yield client
+
+
+def two_node(**overrides) -> dict:
+    return mlp_spec(resources={"nnodes": 2, "nproc_per_node": 1, "device": "cpu"}, **overrides)
+
+
+def attempts(api, job_id: str) -> list[dict]:
+    return api.get(f"/v1/jobs/{job_id}/attempts").json()["data"]
+
+
+def test_a_two_node_job_matches_one_node_with_two_processes(stack, api, tmp_path, postgres_url):
+    spec = two_node(name="gang-2x1", train={"max_steps": 20, "log_every": 5, "seed": 0})
+    started = time.monotonic()
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    job = wait_terminal(api, job_id, timeout=120)
+    assert job["status"] == "succeeded", job["error"]
+    print(f"2-node job submitted to succeeded in {time.monotonic() - started:.1f}s")
+    nodes = attempts(api, job_id)
+    assert sorted(a["node_rank"] for a in nodes) == [0, 1] and {a["status"] for a in nodes} == {"succeeded"}
+    assert nodes[0]["worker"] != nodes[1]["worker"] and {a["number"] for a in nodes} == {1}
+
+    gang_loss = api.get(f"/v1/jobs/{job_id}/metrics", params={"name": "loss"}).json()["series"][0]
+    single = {**spec, "resources": {"nnodes": 1, "nproc_per_node": 2, "device": "cpu"}}
+    records = [r for r in run_torchrun(single, tmp_path / "single") if r["type"] == "metrics"]
+    assert gang_loss["steps"] == [r["step"] for r in records] == [5, 10, 15, 20]
+    assert gang_loss["values"] == pytest.approx([r["metrics"]["loss"] for r in records], abs=1e-5)
+    assert job["summary"]["final_loss"] == pytest.approx(records[-1]["metrics"]["loss"], abs=1e-5)
+
+    logs = {rank: api.get(f"/v1/jobs/{job_id}/logs", params={"node_rank": rank}).text for rank in (0, 1)}
+    assert all(logs.values()) and logs[0] != logs[1]  # each node's own torchrun output
+    assert api.get(f"/v1/jobs/{job_id}/logs", params={"node_rank": 2}).text == ""
+    formed = formation(postgres_url, job_id)
+    assert formed is not None and "rendezvous at 127.0.0.1:" in formed
+    print(f"events: {formed}")
+
+
+def formation(url: str, job_id: str) -> str | None:
+    """The job event that says how long the gang took to form, and where its rendezvous is."""
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        detail = conn.scalar(select(JobEvent.detail).where(JobEvent.job_id == job_id, JobEvent.kind == "running")
+                             .order_by(JobEvent.id.desc()))
+    engine.dispose()
+    return detail
+
+
+def test_a_killed_node_stops_the_whole_gang_and_the_job_is_retried_as_one(stack, api):
+    spec = two_node(name="gang-kill", max_retries=2,  # 2: a busy CI box can lose a lease once on its own
+                    data={"type": "synthetic_regression", "num_samples": 4096, "batch_size": 16},
+                    train={"max_steps": 3000, "log_every": 100, "checkpoint_every": 500})
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    wait_for(lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["status"] == "running"
+             and j["progress"]["step"] >= 700, 120, what="the gang to train past a checkpoint")
+    current = max(a["number"] for a in attempts(api, job_id))
+    first = {a["node_rank"]: a for a in attempts(api, job_id) if a["number"] == current}
+    victim_pid = int(first[1]["worker"].rsplit("-", 1)[1])
+    victim = psutil.Process(victim_pid)
+    survivors = [p for p in processes_of(job_id) if p.pid not in {c.pid for c in victim.children(recursive=True)}]
+    assert survivors, "node 0's processes"
+    for proc in [victim, *victim.children()]:  # the worker and its work-horse: the machine is gone
+        proc.kill()
+    killed = time.monotonic()
+    stack.add_workers(1, args=["--slots", "1"])  # a third worker, so the retry can form a gang again
+
+    psutil.wait_procs(survivors, timeout=LEASE_S + 5)
+    stopped_s = time.monotonic() - killed
+    assert not [p for p in survivors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    print(f"the other node's processes were gone {stopped_s:.1f}s after the kill")
+
+    job = wait_terminal(api, job_id, timeout=150)
+    nodes = attempts(api, job_id)
+    assert job["status"] == "succeeded", (job["error"], [(a["number"], a["node_rank"], a["status"], a["worker"],
+                                                           (a["error"] or {}).get("message")) for a in nodes],
+                                          [api.get(f"/v1/jobs/{job_id}/logs", params={"node_rank": r}).text[-3000:]
+                                           for r in (0, 1)])
+    by_attempt = {(a["number"], a["node_rank"]): a for a in nodes}
+    assert by_attempt[(current, 1)]["status"] in ("lost", "failed", "stopped")
+    assert by_attempt[(current, 0)]["status"] in ("failed", "stopped", "lost")
+    last = max(a["number"] for a in nodes)
+    assert {by_attempt[(last, r)]["status"] for r in (0, 1)} == {"succeeded"}
+    assert not any(a["status"] == "active" for a in nodes)  # never left running half
+    assert processes_of(job_id) == []
+
+
+def test_cancel_stops_every_node(stack, api):
+    spec = two_node(name="gang-cancel", train={"max_steps": 100000, "log_every": 100})
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["progress"]["step"] >= 100, 90, what="the gang to train")
+    assert len({p.pid for p in processes_of(job_id)}) >= 4  # two torchruns and their ranks
+    api.post(f"/v1/jobs/{job_id}/cancel")
+    job = wait_terminal(api, job_id, timeout=30)
+    assert job["status"] == "cancelled"
+    assert sorted((a["node_rank"], a["status"]) for a in attempts(api, job_id)) == [(0, "cancelled"), (1, "cancelled")]
+    assert processes_of(job_id) == []  # cancelled only once every process of every node is gone
+
+
+def test_a_rank_failing_on_one_node_fails_the_gang_as_one_with_that_rank_s_error(stack, api):
+    spec = two_node(name="gang-fault", train={"max_steps": 50, "log_every": 5},
+                    fault_injection={"raise_at_step": 10, "rank": 1, "message": "boom on rank 1"})
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    job = wait_terminal(api, job_id, timeout=90)
+    assert job["status"] == "failed"
+    assert job["error"]["type"] == "RuntimeError" and job["error"]["message"] == "boom on rank 1"
+    assert job["error"]["node_rank"] in (0, 1)  # c10d decides which node holds global rank 1
+    statuses = sorted(a["status"] for a in attempts(api, job_id))
+    assert statuses == ["failed", "stopped"]  # one settled the job, the other was stopped with it
+    assert processes_of(job_id) == []
+
+
+def test_two_gangs_submitted_together_on_two_workers_both_run_without_deadlock(stack, api, postgres_url):
+    """Each worker may claim node 0 of a different gang at once; the younger gang yields, so neither waits for
+    TRAINJOBS_GANG_TIMEOUT_S (were it a deadlock, only the timeout would end it)."""
+    live = [w for w in api.get("/v1/workers").json()["items"] if w["state"] != "lost"]
+    assert len(live) == 2
+    ids = [api.post("/v1/jobs", json=two_node(name=f"pair-{i}")).json()["id"] for i in range(2)]
+    for job_id in ids:
+        assert wait_terminal(api, job_id, timeout=120)["status"] == "succeeded"
+    engine = create_engine(postgres_url)
+    with engine.connect() as conn:
+        released = conn.scalars(select(JobEvent.detail).where(JobEvent.job_id.in_(ids), JobEvent.kind == "queued",
+                                                               JobEvent.detail.like("gang not formed%"))).all()
+    engine.dispose()
+    assert released == []
