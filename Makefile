@@ -37,6 +37,7 @@ bench: $(STAMP) services
 	$(PY) bench/claim_latency.py
 	$(PY) bench/strategies.py
 	$(PY) bench/lost_worker.py
+	$(PY) bench/polling.py
 
 clean:
 	rm -rf $(VENV) trainjobs-data

@@ -1,4 +1,9 @@
-"""What both benchmarks share: a throwaway stack on SQLite and the local Redis."""
+"""What the benchmarks share: a throwaway stack (SQLite unless told otherwise) and the local Redis.
+
+Redis: TRAINJOBS_BENCH_REDIS_URL, else TRAINJOBS_TEST_REDIS_URL, else TRAINJOBS_REDIS_URL, else db 14 of the
+local one. PostgreSQL (bench/polling.py): TRAINJOBS_BENCH_POSTGRES_URL, else TRAINJOBS_TEST_POSTGRES_URL, else
+the tests' default database.
+"""
 
 import json
 import os
@@ -17,6 +22,18 @@ from service.settings import Settings
 from service.stack import Stack
 
 
+def redis_url() -> str:
+    for name in ("TRAINJOBS_BENCH_REDIS_URL", "TRAINJOBS_TEST_REDIS_URL", "TRAINJOBS_REDIS_URL"):
+        if os.environ.get(name):
+            return os.environ[name]
+    return "redis://127.0.0.1:6379/14"
+
+
+def postgres_url() -> str:
+    return (os.environ.get("TRAINJOBS_BENCH_POSTGRES_URL") or os.environ.get("TRAINJOBS_TEST_POSTGRES_URL")
+            or "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -26,9 +43,8 @@ def free_port() -> int:
 @contextmanager
 def bench_stack(workers: int = 1, **overrides):
     with tempfile.TemporaryDirectory(prefix="trainjobs-bench-") as tmp:
-        settings = Settings(data_dir=Path(tmp), redis_url=os.environ.get("TRAINJOBS_REDIS_URL",
-                                                                          "redis://127.0.0.1:6379/14"),
-                            queue_prefix=f"bench{os.getpid()}", **overrides)
+        settings = Settings(data_dir=Path(tmp), redis_url=redis_url(), queue_prefix=f"bench{os.getpid()}",
+                            **overrides)
         with Stack(settings, port=free_port(), workers=workers, quiet=True) as stack:
             with stack.client(timeout=30) as api:
                 yield stack, api

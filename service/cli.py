@@ -5,18 +5,18 @@ import json
 import logging
 import socket
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
-from service.client import APIError, Client
+from service import tables
+from service.auth import cli as auth_cli
+from service.client import APIError, Client, find_token
+from service.follow import exit_code, follow, print_outcome
 from service.jobs.status import TERMINAL, JobStatus
-from service.settings import Settings, get_settings
+from service.settings import Settings, check_bind, get_settings
 
 console = Console()
 
@@ -26,57 +26,28 @@ def load_spec(path: str) -> dict:
     return yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
 
 
-def follow(client: Client, job_id: str) -> dict:
-    """A progress bar until the job ends; returns the final job."""
-    job = client.get(job_id)
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task(job["name"], total=job["progress"]["total_steps"], info=job["status"])
-        while job["status"] not in TERMINAL:
-            time.sleep(0.5)
-            job = client.get(job_id)
-            info = job["status"]
-            if job["status"] == "running":
-                loss = client.metrics(job_id, "loss")["series"]
-                if loss and loss[0]["values"]:
-                    info = f"loss {loss[0]['values'][-1]:.4f}"
-            bar.update(task, completed=job["progress"]["step"], total=job["progress"]["total_steps"], info=info)
-    return job
-
-
-def print_outcome(job: dict) -> int:
-    style = {"succeeded": "green", "failed": "red", "cancelled": "yellow"}.get(job["status"], "white")
-    console.print(f"job [bold]{job['id']}[/] [{style}]{job['status']}[/]")
-    if job.get("summary"):
-        table = Table("metric", "value", title="summary")
-        for key, value in job["summary"].items():
-            table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
-        console.print(table)
-    if job.get("error"):
-        err = job["error"]
-        rank = f" on rank {err['rank']}" if err.get("rank") is not None else ""
-        console.print(f"[red]{err.get('type')}{rank}: {err.get('message')}[/]")
-    return 0 if job["status"] == "succeeded" else 1
-
-
 def cmd_submit(args, client: Client) -> int:
+    """Submit; with --follow, stream the job's progress and exit with its outcome (0, 1, or 130: cancelled)."""
     job = client.submit(load_spec(args.file))
+    if args.json:  # the submitted job; with --follow, the finished one
+        if not args.follow:
+            return print_json(job)
+        job = follow(client, job["id"])
+        print_json(job)
+        return exit_code(job)
     console.print(f"submitted {job['id']} ({job['name']})")
     if not args.follow:
         return 0
-    return print_outcome(follow(client, job["id"]))
+    return print_outcome(follow(client, job["id"], console), console)
 
 
 def cmd_plan(args, client: Client) -> int:
     """The memory plan of a spec: both estimates per device, against the device's memory, and the choice."""
     plan = client.plan(load_spec(args.file))
-    table = Table("per device", "ddp", "fsdp", title=f"{plan['parameters']:,} parameters on {plan['device']}")
-    for key in dict.fromkeys([*plan["ddp"]["breakdown"], *plan["fsdp"]["breakdown"]]):
-        row = [plan[s]["breakdown"].get(key) for s in ("ddp", "fsdp")]
-        table.add_row(key, *("" if v is None else f"{v / 2**30:.3f} GiB" for v in row))
-    table.add_row("[bold]total", *(f"[bold]{plan[s]['total_gib']:.3f} GiB" for s in ("ddp", "fsdp")))
-    console.print(table)
+    if args.json:
+        print_json(plan)
+        return 0 if plan["strategy"] else 1
+    console.print(tables.plan_table(plan))
     console.print(f"choice: [bold]{plan['choice'] or 'nothing fits'}[/] ({plan['reason']})")
     return 0 if plan["strategy"] else 1
 
@@ -91,18 +62,9 @@ def cmd_status(args, client: Client) -> int:
     job = client.get(args.job_id)
     if args.json:
         return print_json(job)
-    progress = job["progress"]
-    table = Table(show_header=False, title=f"job {job['id']}")
-    for key, value in (("name", job["name"]), ("status", job["status"]), ("priority", job["priority"]),
-                       ("attempt", f"{job['attempt']} (max retries {job['max_retries']})"),
-                       ("step", f"{progress['step']}/{progress['total_steps'] or '?'}"),
-                       ("eta", f"{progress['eta_s']:.0f} s" if progress.get("eta_s") is not None else ""),
-                       ("created", job["created_at"]), ("started", job["started_at"] or ""),
-                       ("finished", job["finished_at"] or "")):
-        table.add_row(key, str(value))
-    console.print(table)
+    console.print(tables.job_table(job))
     if job["status"] in TERMINAL:
-        print_outcome(job)
+        print_outcome(job, console)
     return 0
 
 
@@ -110,27 +72,29 @@ def cmd_list(args, client: Client) -> int:
     page = client.list(status=args.status, limit=args.limit)
     if args.json:
         return print_json(page)
-    table = Table("id", "name", "status", "step", "created")
-    for job in page["items"]:
-        progress = job["progress"]
-        table.add_row(job["id"], job["name"], job["status"], f"{progress['step']}/{progress['total_steps'] or '?'}",
-                      job["created_at"])
-    console.print(table)
+    console.print(tables.jobs_table(page))
     return 0
 
 
 def cmd_logs(args, client: Client) -> int:
-    if args.follow:
-        for text in client.follow_logs(args.job_id):
-            sys.stdout.write(text)
-            sys.stdout.flush()
-    else:
-        sys.stdout.write(client.logs(args.job_id)[0])
+    """The output so far; with --follow, as it grows until the job ends. --json: one {"text"} object per line
+    (JSON lines), or without --follow one object with the offset to resume from and the job's status."""
+    if not args.follow:
+        text, next_offset, status = client.logs(args.job_id)
+        if args.json:
+            return print_json({"job_id": args.job_id, "text": text, "next_offset": next_offset, "status": status})
+        sys.stdout.write(text)
+        return 0
+    for text in client.follow_logs(args.job_id):
+        sys.stdout.write(json.dumps({"text": text}) + "\n" if args.json else text)
+        sys.stdout.flush()
     return 0
 
 
 def cmd_cancel(args, client: Client) -> int:
     job = client.cancel(args.job_id)
+    if args.json:
+        return print_json(job)
     console.print(f"job {job['id']}: {job['status']}" + (" (cancel requested)" if job["status"] not in TERMINAL
                                                          else ""))
     return 0
@@ -141,6 +105,8 @@ def cmd_db(args, settings: Settings) -> int:
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # the default SQLite file lives there
     migrate.upgrade(settings.resolved_database_url)
+    if args.json:
+        return print_json({"database_url": settings.resolved_database_url, "revision": "head"})
     console.print(f"database at head: {settings.resolved_database_url}")
     return 0
 
@@ -156,6 +122,9 @@ def cmd_up(args, settings: Settings) -> int:
         raise
     console.print(f"trainjobs up: API {stack.api_url}, {args.workers} worker(s), "
                   f"database {settings.resolved_database_url}. Ctrl-C stops everything.")
+    if stack.new_admin_token:
+        console.print(f"admin token (saved to {settings.data_dir / 'admin.token'}, mode 0600; the CLI reads it "
+                      f"there):\n{stack.new_admin_token}", soft_wrap=True)
     return run_forever(stack)
 
 
@@ -172,12 +141,13 @@ def cmd_demo(args, settings: Settings) -> int:
         job = client.submit(load_spec(args.file))
         console.print(f"submitted {job['id']}: {job['spec']['strategy']} on "
                       f"{job['spec']['resources']['nproc_per_node']} processes")
-        return print_outcome(follow(client, job["id"]))
+        return print_outcome(follow(client, job["id"], console), console)
 
 
 def cmd_api(args, settings: Settings) -> int:
     import uvicorn
 
+    check_bind(settings, args.host)
     uvicorn.run("service.app:app", host=args.host, port=args.port)
     return 0
 
@@ -186,7 +156,8 @@ def cmd_worker(args, settings: Settings) -> int:
     import importlib
 
     # By name, so that importing service never imports worker/ (DESIGN rule 2).
-    importlib.import_module("worker.main").main(burst=args.burst)
+    importlib.import_module("worker.main").main(burst=args.burst, slots=args.slots, device=args.device,
+                                                labels=args.label, address=args.address)
     return 0
 
 
@@ -204,26 +175,33 @@ def build_parser() -> argparse.ArgumentParser:
     api.set_defaults(local=cmd_api)
     worker = sub.add_parser("worker", help="a worker that runs jobs from the queues")
     worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    worker.add_argument("--slots", type=int, help="processes (CPU) or GPUs (CUDA) a job may use; default: detected")
+    worker.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when nvidia-smi lists a GPU")
+    worker.add_argument("--label", action="append", metavar="K=V", help="a label jobs select (resources.selector)")
+    worker.add_argument("--address", help="how other nodes reach this one; default: the address that reaches Redis")
     worker.set_defaults(local=cmd_worker)
     demo = sub.add_parser("demo", help="start a stack, run one job end to end, stop")
     demo.add_argument("file", nargs="?", default="examples/ddp-mlp.json")
     demo.set_defaults(local=cmd_demo)
     db = sub.add_parser("db", help="database maintenance")
     db.add_argument("action", choices=["upgrade"])
+    db.add_argument("--json", action="store_true", help="the database URL and revision as JSON")
     db.set_defaults(local=cmd_db)
     submit = sub.add_parser("submit", help="submit a job spec (JSON or YAML)")
     submit.add_argument("file")
-    submit.add_argument("--follow", action="store_true", help="show progress until the job ends")
+    submit.add_argument("--follow", action="store_true",
+                        help="stream progress until the job ends; exit 0 succeeded, 1 failed, 130 cancelled")
+    submit.add_argument("--json", action="store_true", help="the job as JSON (with --follow: once it has ended)")
     submit.set_defaults(remote=cmd_submit)
     plan = sub.add_parser("plan", help="the memory plan of a job spec (DDP or FSDP, and why), without submitting")
     plan.add_argument("file")
+    plan.add_argument("--json", action="store_true", help="the plan as the API returns it")
     plan.set_defaults(remote=cmd_plan)
     for name, fn in (("status", cmd_status), ("cancel", cmd_cancel)):
         p = sub.add_parser(name, help=f"{name} of a job")
         p.add_argument("job_id")
         p.set_defaults(remote=fn)
-        if name == "status":
-            p.add_argument("--json", action="store_true", help="the job as the API returns it")
+        p.add_argument("--json", action="store_true", help="the job as the API returns it")
     ls = sub.add_parser("list", help="recent jobs, newest first")
     ls.add_argument("--status", choices=[s.value for s in JobStatus])
     ls.add_argument("--limit", type=int, default=20)
@@ -231,8 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     ls.set_defaults(remote=cmd_list)
     logs = sub.add_parser("logs", help="a job's combined output")
     logs.add_argument("job_id")
-    logs.add_argument("--follow", action="store_true")
+    logs.add_argument("--follow", action="store_true", help="stream new output until the job ends")
+    logs.add_argument("--json", action="store_true", help="JSON (with --follow: JSON lines)")
     logs.set_defaults(remote=cmd_logs)
+    auth_cli.register(sub)
     return parser
 
 
@@ -242,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     try:
         if hasattr(args, "remote"):
-            return args.remote(args, Client(settings.api_url))
+            return args.remote(args, Client(settings.api_url, token=find_token(settings)))
         return args.local(args, settings)
     except APIError as exc:
         console.print(f"[red]error:[/] {exc}")

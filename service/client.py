@@ -1,12 +1,20 @@
 """A small HTTP client for the CLI: every command talks to the API, never to the database."""
 
+import json
+import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from service.jobs.status import TERMINAL
+
+log = logging.getLogger(__name__)
+# The server pings an open stream every 15 s (sse-starlette): a read silent for longer is a dead connection.
+STREAM_TIMEOUT = httpx.Timeout(10, read=45)
 
 
 class APIError(Exception):
@@ -15,25 +23,73 @@ class APIError(Exception):
         self.status, self.detail = status, detail
 
 
+@dataclass(frozen=True)
+class Event:
+    """One Server-Sent Event of GET /v1/jobs/{id}/events: its kind, its JSON data and its id (a resume cursor)."""
+
+    kind: str
+    data: Any
+    id: str | None
+
+
+def parse_sse(lines: Iterable[str]) -> Iterator[Event]:
+    """Events from a stream's lines, by the SSE rules this API needs: `event:`, `data:` (joined by newlines),
+    `id:` (kept until the next one, as a browser keeps lastEventId), comments (`: ping`) skipped.
+
+    Hand-written (20 lines): httpx-sse would add a dependency for the same loop.
+    """
+    kind, data, last_id = "message", [], None
+    for line in lines:
+        if not line:  # a blank line dispatches the event
+            if data:
+                yield Event(kind, json.loads("\n".join(data)), last_id)
+            kind, data = "message", []
+            continue
+        if line.startswith(":"):
+            continue
+        field, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if field == "event":
+            kind = value
+        elif field == "data":
+            data.append(value)
+        elif field == "id" and "\0" not in value:
+            last_id = value
+
+
 def format_detail(detail) -> str:
     if isinstance(detail, list):  # pydantic's errors: name each field at fault
         return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', []))}: {e.get('msg')}" for e in detail)
     return str(detail)
 
 
+def raise_for_status(response: httpx.Response) -> httpx.Response:
+    """The response, or an APIError with the API's detail."""
+    if response.status_code >= 400:
+        response.read()  # a streamed response's body
+        try:
+            detail = response.json().get("detail")
+        except ValueError:
+            detail = response.text
+        raise APIError(response.status_code, detail)
+    return response
+
+
+def find_token(settings) -> str | None:
+    """TRAINJOBS_TOKEN, else the admin token `trainjobs up` wrote into the data directory."""
+    if settings.token:
+        return settings.token
+    path = settings.data_dir / "admin.token"
+    return path.read_text().strip() if path.is_file() else None
+
+
 class Client:
-    def __init__(self, base_url: str, timeout: float = 30):
-        self.http = httpx.Client(base_url=base_url, timeout=timeout)
+    def __init__(self, base_url: str, timeout: float = 30, token: str | None = None):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url, timeout=timeout, headers=headers)
 
     def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
-        response = self.http.request(method, path, **kwargs)
-        if response.status_code >= 400:
-            try:
-                detail = response.json().get("detail")
-            except ValueError:
-                detail = response.text
-            raise APIError(response.status_code, detail)
-        return response
+        return raise_for_status(self.http.request(method, path, **kwargs))
 
     def submit(self, spec: dict, *, attempts: int = 3) -> dict:
         """Submit once, even if the connection drops: every retry carries the same Idempotency-Key."""
@@ -67,13 +123,58 @@ class Client:
         r = self._call("GET", f"/v1/jobs/{job_id}/logs", params={"offset": offset})
         return r.text, int(r.headers["X-Next-Offset"]), r.headers["X-Job-Status"]
 
-    def follow_logs(self, job_id: str, poll_s: float = 0.5) -> Iterator[str]:
-        offset = 0
+    def events(self, job_id: str, last_event_id: str | None = None) -> Iterator[Event]:
+        """One connection to the job's event stream, until the server ends it or the connection drops."""
+        headers = {"Accept": "text/event-stream"} | ({"Last-Event-ID": last_event_id} if last_event_id else {})
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=STREAM_TIMEOUT) as r:
+            yield from parse_sse(raise_for_status(r).iter_lines())
+
+    def follow_events(self, job_id: str, *, give_up_s: float = 60) -> Iterator[Event]:
+        """The job's events up to its terminal status, across dropped connections and API restarts.
+
+        Each reconnect sends the last event id seen, so the API resends status and progress and only the metric
+        points not yet seen. Gives up (raises) after give_up_s without a single event.
+        """
+        last_id, delay, failing_since = None, 0.2, None
         while True:
-            text, offset, status = self.logs(job_id, offset)
-            if text:
-                yield text
-            elif status in TERMINAL:
-                return
-            else:
-                time.sleep(poll_s)
+            try:
+                for event in self.events(job_id, last_event_id=last_id):
+                    last_id, delay, failing_since = event.id or last_id, 0.2, None
+                    yield event
+                    if event.kind == "status" and event.data.get("status") in TERMINAL:
+                        return
+                reason = "the stream ended before the job did"
+            except httpx.TransportError as exc:  # refused, reset, timed out: the API restarting, a proxy, ...
+                reason = f"{type(exc).__name__}: {exc}"
+            except APIError as exc:
+                if exc.status < 500:  # 404, 401, 422: retrying would not change the answer
+                    raise
+                reason = str(exc)
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since > give_up_s:
+                raise RuntimeError(f"lost the event stream of job {job_id} for {give_up_s:.0f} s ({reason})")
+            log.info("event stream of job %s dropped (%s); reconnecting from event %s", job_id, reason, last_id)
+            time.sleep(delay)  # a backoff between reconnects, not a poll: a live stream pushes every change
+            delay = min(delay * 2, 5.0)
+
+    def follow_logs(self, job_id: str, offset: int = 0) -> Iterator[str]:
+        """The job's output as it grows, until the job ends: the event stream says when the log has grown (a
+        `logs` event) or the job has ended, and only then is GET .../logs read from where the last read ended."""
+        text, offset, _status = self.logs(job_id, offset)
+        if text:
+            yield text
+        for event in self.follow_events(job_id):
+            grown = event.kind == "logs" and event.data["next_offset"] > offset
+            if grown or (event.kind == "status" and event.data["status"] in TERMINAL):
+                text, offset, _status = self.logs(job_id, offset)
+                if text:
+                    yield text
+
+    def create_token(self, name: str, **fields) -> dict:
+        return self._call("POST", "/v1/tokens", json={"name": name, **fields}).json()
+
+    def tokens(self) -> dict:
+        return self._call("GET", "/v1/tokens").json()
+
+    def revoke_token(self, token_id: str) -> dict:
+        return self._call("DELETE", f"/v1/tokens/{token_id}").json()

@@ -1,4 +1,4 @@
-"""GET /v1/jobs/{id}/events: a job's status, progress and new metric points as Server-Sent Events.
+"""GET /v1/jobs/{id}/events: a job's status, progress, log size and new metric points as Server-Sent Events.
 
 Each poll opens a short sync session in a thread (no session is held across the stream). Every event's id is
 the metrics cursor (the last metrics.id sent), so a client that reconnects with Last-Event-ID gets the status
@@ -17,9 +17,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from service.errors import InvalidRequest
+from service.auth.deps import JobIdDep
+from service.errors import InvalidRequest, responses
 from service.jobs import service as jobs
 from service.jobs.status import JobStatus
+from service.logs.models import LogChunk
 from service.metrics.models import Metric
 
 router = APIRouter(prefix="/v1/jobs", tags=["events"])
@@ -31,6 +33,7 @@ LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=32)
 class Snapshot:
     status: str
     progress: dict[str, Any]
+    log_end: int  # bytes of output stored: a `logs` event tells a follower when to read GET .../logs
     batches: list[tuple[int, list[dict]]]  # (cursor after the batch, series) per `metrics` event
 
 
@@ -50,11 +53,21 @@ def read_metrics_after(db: Session, *, job_id: str, cursor: int, limit: int) -> 
     return (rows[-1][0] if rows else cursor), list(series.values()), len(rows)
 
 
+def read_log_end(db: Session, *, job_id: str) -> int:
+    """The byte offset where node 0's log ends (a single-node job's whole log): its chunks are appended in
+    order, so the last one by start (a backward walk of ix_log_chunks_job_start, however long the log)."""
+    end = db.scalar(select(LogChunk.start + LogChunk.length).where(LogChunk.job_id == job_id, LogChunk.node_rank == 0)
+                    .order_by(LogChunk.start.desc()).limit(1))
+    return end or 0
+
+
 def poll(factory: sessionmaker[Session], job_id: str, cursor: int) -> Snapshot:
-    """The job, then every metric row after the cursor: a job read as terminal has shipped all of its points."""
+    """The job, then its log size and every metric row after the cursor: a job read as terminal has shipped
+    all of its output and points."""
     with factory() as db:
         job = jobs.get(db, job_id=job_id)
-        snapshot = Snapshot(status=job.status, progress=dict(job.progress or {}), batches=[])
+        snapshot = Snapshot(status=job.status, progress=dict(job.progress or {}),
+                            log_end=read_log_end(db, job_id=job_id), batches=[])
         # NOTE: one attempt at a time ships a job's metrics, in id order, so a cursor on metrics.id skips none.
         while True:
             cursor, series, count = read_metrics_after(db, job_id=job_id, cursor=cursor, limit=BATCH_ROWS)
@@ -79,6 +92,7 @@ def event(kind: str, cursor: int, data: Any) -> ServerSentEvent:
 async def job_events(request: Request, job_id: str, cursor: int) -> AsyncIterator[ServerSentEvent]:
     factory, poll_s = request.app.state.sessionmaker, request.app.state.settings.poll_s
     status = progress = None
+    log_end = 0  # an empty log sends no `logs` event
     while True:
         snap = await run_in_threadpool(poll, factory, job_id, cursor)
         terminal = JobStatus(snap.status).is_terminal()
@@ -86,19 +100,22 @@ async def job_events(request: Request, job_id: str, cursor: int) -> AsyncIterato
             yield event("status", cursor, {"status": snap.status})
         if snap.progress != progress:
             yield event("progress", cursor, snap.progress)
+        if snap.log_end != log_end:
+            yield event("logs", cursor, {"next_offset": snap.log_end})
         for cursor, series in snap.batches:
             yield event("metrics", cursor, {"series": series})
-        status, progress = snap.status, snap.progress
+        status, progress, log_end = snap.status, snap.progress, snap.log_end
         if terminal:  # the final status is the last event; then the stream ends
             yield event("status", cursor, {"status": snap.status})
             return
         await anyio.sleep(poll_s)
 
 
-@router.get("/{job_id}/events")
-def stream_events(job_id: str, request: Request, last_event_id: LastEventId = None) -> EventSourceResponse:
-    """Events `status` (on connect and on change), `progress` (on change), `metrics` (new points); ends after a
-    terminal status. Reconnect with Last-Event-ID to resume the metric points where the stream left off."""
+@router.get("/{job_id}/events", responses=responses(404))
+def stream_events(job_id: JobIdDep, request: Request, last_event_id: LastEventId = None) -> EventSourceResponse:
+    """Events `status` (on connect and on change), `progress` (on change), `logs` ({"next_offset"}: the log's
+    size, on change), `metrics` (new points); ends after a terminal status. Reconnect with Last-Event-ID to
+    resume the metric points where the stream left off."""
     cursor = parse_cursor(last_event_id)
     with request.app.state.sessionmaker() as db:
         jobs.get(db, job_id=job_id)  # 404 before the stream starts

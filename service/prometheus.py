@@ -1,7 +1,8 @@
 """GET /metrics: the service in Prometheus text format, on a registry of its own per app.
 
-Jobs by status, queue depths, live workers, metric points and the two job latencies are read at scrape time
-(a custom collector): the database and Redis are the truth, and the API process sees no worker transition.
+Jobs by status, queued jobs and queue depths per priority, live workers and their free slots, metric points
+and the two job latencies are read at scrape time (a custom collector): the database and Redis are the truth,
+and the API process sees no worker transition and no metric a worker ships.
 The latencies are histograms over the last LATENCY_WINDOW jobs, so their counts can fall; read them as
 gauges (histogram_quantile over the raw buckets), not with rate(). Request latency is observed in-process.
 """
@@ -11,9 +12,9 @@ import time
 from collections.abc import Iterable
 from datetime import datetime
 
-from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis import Redis
 from redis.exceptions import RedisError
@@ -21,10 +22,13 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import queue, workers_registry
+from service import queue
+from service.auth.deps import current_principal
 from service.jobs.models import Job
 from service.jobs.status import JobStatus
 from service.metrics.models import Metric as MetricRow
+from service.workers import service as workers
+from service.workers.models import Worker
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["observability"])
@@ -42,6 +46,13 @@ def add_samples(family: HistogramMetricFamily, labels: list[str], samples: Itera
     return family
 
 
+def by_device(name: str, documentation: str, live: list[Worker], value) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=["device"])
+    for device in ("cuda", "cpu"):
+        family.add_metric([device], sum(value(w) for w in live if w.device == device))
+    return family
+
+
 def seconds(start: datetime | None, end: datetime | None) -> float | None:
     return (end - start).total_seconds() if start and end else None
 
@@ -49,8 +60,9 @@ def seconds(start: datetime | None, end: datetime | None) -> float | None:
 class ServiceCollector(Collector):
     """Reads the database and Redis on every scrape."""
 
-    def __init__(self, factory: sessionmaker[Session], redis: Redis, prefix: str):
+    def __init__(self, factory: sessionmaker[Session], redis: Redis, prefix: str, lost_after_s: float = 10.0):
         self.factory, self.redis, self.prefix = factory, redis, prefix
+        self.lost_after_s = lost_after_s  # a worker silent for the lease is not live (service/workers/)
 
     def collect(self) -> Iterable[Metric]:
         with self.factory() as db:
@@ -63,8 +75,27 @@ class ServiceCollector(Collector):
         for status in JobStatus:
             jobs.add_metric([status.value], counts.get(status.value, 0))
         yield jobs
-        points = db.scalar(select(func.count()).select_from(MetricRow)) or 0
-        yield GaugeMetricFamily("trainjobs_metric_points", "Metric points stored (all jobs)", value=points)
+        queued = dict(db.execute(select(Job.priority, func.count()).where(Job.status == JobStatus.QUEUED.value)
+                                 .group_by(Job.priority)).all())
+        waiting = GaugeMetricFamily("trainjobs_jobs_queued", "Queued jobs by priority (the database's count, "
+                                    "whether or not Redis holds them)", labels=["priority"])
+        for priority in queue.PRIORITIES:
+            waiting.add_metric([priority], queued.get(priority, 0))
+        yield waiting
+        # NOTE: the highest metrics.id, not count(*): an index lookup where a count reads every row (~0.1 s per
+        # million on PostgreSQL, each scrape). Rows are never deleted, so it only grows: a counter, for rate().
+        # It also counts the ids of a batch that was rolled back (a database blip; the batch is shipped again).
+        points = db.scalar(select(func.max(MetricRow.id))) or 0
+        yield CounterMetricFamily("trainjobs_metric_points_ingested", "Metric points ingested (all jobs; ids "
+                                  "of rolled-back batches included)", value=points)
+        live = workers.live(db, lost_after_s=self.lost_after_s)
+        yield by_device("trainjobs_workers", "Live workers (heard from within the lease) by device", live,
+                        lambda w: 1)
+        yield by_device("trainjobs_worker_slots", "Slots (GPUs; processes on CPU) of live workers", live,
+                        lambda w: w.slots)
+        # A worker runs one job at a time and a draining one takes none: only an idle worker's slots are free.
+        yield by_device("trainjobs_worker_slots_free", "Slots of live idle workers, free for a job", live,
+                        lambda w: w.slots if w.state == "idle" and w.current_job is None else 0)
         recent = db.execute(
             select(Job.status, Job.created_at, Job.started_at, Job.finished_at)
             .where(Job.started_at.is_not(None)).order_by(Job.id.desc()).limit(LATENCY_WINDOW)
@@ -88,11 +119,6 @@ class ServiceCollector(Collector):
             log.warning("cannot read the queue depths from Redis")
             return  # no families rather than zeros that look true; and no second wait on a dead Redis
         yield depth
-        workers = workers_registry.live_workers(self.redis, prefix=self.prefix)
-        live = GaugeMetricFamily("trainjobs_workers", "Live workers by device", labels=["device"])
-        for device in ("cuda", "cpu"):
-            live.add_metric([device], sum(w.device == device for w in workers))
-        yield live
 
 
 class RequestLatency:
@@ -127,12 +153,13 @@ class RequestLatency:
 def install(app: FastAPI) -> None:
     """A registry per app (tests build many apps), its collector and the request middleware."""
     registry = CollectorRegistry()
-    registry.register(ServiceCollector(app.state.sessionmaker, app.state.redis, app.state.settings.queue_prefix))
+    registry.register(ServiceCollector(app.state.sessionmaker, app.state.redis, app.state.settings.queue_prefix,
+                                       app.state.settings.lease_s))
     requests = Histogram("trainjobs_http_request_duration_seconds", "API request latency",
                          ["route", "method", "status"], registry=registry)
     app.state.prometheus = registry
     app.add_middleware(RequestLatency, histogram=requests)
-    app.include_router(router)
+    app.include_router(router, dependencies=[Depends(current_principal)])  # a token, like /v1
 
 
 @router.get("/metrics", include_in_schema=False)

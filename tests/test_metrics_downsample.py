@@ -3,12 +3,17 @@
 import math
 import random
 
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, insert, select
 from sqlalchemy.orm import Session
 
+from service import migrate
 from service.db import utcnow
+from service.jobs import service as jobs
+from service.jobs.spec import JobSpec
+from service.metrics import blocks
 from service.metrics import service as metrics
 from service.metrics.downsample import downsample
+from service.metrics.models import Metric, MetricBlock
 from tests.conftest import mlp_spec
 
 
@@ -63,3 +68,70 @@ def test_downsample_edge_cases():
     for k in range(1, 12):
         s, _ = downsample(steps, values, k)
         assert len(s) <= k and s == sorted(set(s)) and s[-1] == 9
+
+
+def blocks_of(db_url: str, job_id: str, name: str = "loss") -> list[tuple]:
+    engine = create_engine(db_url)
+    with Session(engine) as db:
+        rows = db.execute(select(MetricBlock.block, MetricBlock.points, MetricBlock.last_step, MetricBlock.last_value,
+                                 MetricBlock.min_step, MetricBlock.min_value, MetricBlock.max_step,
+                                 MetricBlock.max_value).where(MetricBlock.job_id == job_id, MetricBlock.name == name)
+                          .order_by(MetricBlock.block)).all()
+        recomputed = [(b.block, *vars(blocks.summarize(blocks.block_points(db, job_id=job_id, name=name,
+                                                                            block=b.block))).values()) for b in rows]
+    engine.dispose()
+    assert [tuple(r) for r in rows] == recomputed  # every summary is exactly its points' (latest attempt's)
+    return rows
+
+
+def test_a_long_series_is_thinned_from_its_block_summaries_keeping_min_max_and_last(client, settings):
+    job = client.post("/v1/jobs", json=mlp_spec()).json()
+    values = [math.cos(i / 200) for i in range(5000)]
+    values[777], values[4321] = -9.0, 9.0
+    # shipped in uneven batches, as a supervisor does: blocks are merged across batches
+    for lo, hi in ((0, 5), (5, 1000), (1000, 1001), (1001, 5000)):
+        store(settings.database_url, job["id"], [(i, "loss", values[i]) for i in range(lo, hi)])
+    summaries = blocks_of(settings.database_url, job["id"])
+    assert len(summaries) == math.ceil(5000 / blocks.BLOCK_STEPS)
+    (series,) = client.get(f"/v1/jobs/{job['id']}/metrics", params={"max_points": 21}).json()["series"]
+    steps, got = series["steps"], series["values"]
+    assert (steps, got) == blocks.thin(summaries, 21)  # the database's bucketing is thin()'s, exactly
+    assert len(steps) <= 21 and all(a < b for a, b in zip(steps, steps[1:], strict=False))
+    assert min(got) == -9.0 and max(got) == 9.0 and steps[-1] == 4999 and got[-1] == values[4999]
+    assert all(values[s] == v for s, v in zip(steps, got, strict=True))  # real points, not averages
+    params = {"max_points": 21, "after_step": 1000}  # cuts a block: its part after the step comes from points
+    (cut,) = client.get(f"/v1/jobs/{job['id']}/metrics", params=params).json()["series"]
+    assert cut["steps"][0] > 1000 and min(cut["values"]) == min(values[1001:]) and cut["steps"][-1] == 4999
+
+
+def test_a_retry_that_rewrites_steps_recomputes_their_blocks(client, settings):
+    job = client.post("/v1/jobs", json=mlp_spec()).json()
+    first = [0.0] * 3000
+    first[2500] = 99.0  # attempt 1's spike, at a step that attempt 2 runs again
+    store(settings.database_url, job["id"], [(i, "loss", first[i]) for i in range(3000)])
+    store(settings.database_url, job["id"], [(i, "loss", 1.0) for i in range(2400, 3000)]
+          + [(i, "acc", i / 3000) for i in range(3000)], attempt=2)
+    blocks_of(settings.database_url, job["id"])
+    blocks_of(settings.database_url, job["id"], name="acc")
+    acc, loss = client.get(f"/v1/jobs/{job['id']}/metrics", params={"max_points": 11}).json()["series"]
+    assert max(loss["values"]) == 1.0 and loss["steps"][-1] == 2999 and loss["values"][-1] == 1.0
+    assert 99.0 not in loss["values"]
+    assert acc["name"] == "acc" and acc["values"][0] == 0.0 and acc["values"][-1] == 2999 / 3000  # its own buckets
+
+
+def test_the_migration_backfills_the_summaries_of_points_already_stored(tmp_path):
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    migrate.upgrade(url, "0005")
+    engine = create_engine(url)
+    with Session(engine) as db:
+        job_id = jobs.create(db, spec=JobSpec.model_validate(mlp_spec())).id
+        db.commit()
+        rows = [{"job_id": job_id, "attempt": a, "step": s, "name": "loss", "value": float(s * a), "time": utcnow()}
+                for a, steps in ((1, range(300)), (2, range(200, 300))) for s in steps]
+        db.execute(insert(Metric), rows)  # as a worker before this revision wrote them: no summaries
+        db.commit()
+    engine.dispose()
+    migrate.upgrade(url)
+    got = blocks_of(url, job_id)
+    assert [(b.block, b.points, b.max_step, b.max_value) for b in got] == [(0, 256, 255, 510.0),
+                                                                           (1, 44, 299, 598.0)]

@@ -1,14 +1,18 @@
 """GET /metrics: Prometheus text that a scraper parses, with values read from the database and Redis."""
 
+from datetime import timedelta
+
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service import workers_registry
 from service.db import make_engine, utcnow
 from service.jobs import service as jobs
 from service.jobs.status import JobStatus
 from service.metrics import service as metrics
-from tests.conftest import QUEUE_PREFIX, mlp_spec
+from service.workers import service as workers
+from service.workers.models import Worker
+from tests.conftest import admin_token, mlp_spec
 
 
 def scrape(client) -> dict[tuple[str, tuple], float]:
@@ -23,10 +27,14 @@ def test_metrics_count_jobs_by_status_queue_depth_workers_and_points(client, set
     client.post("/v1/jobs", json=mlp_spec())
     client.post("/v1/jobs", json=mlp_spec(priority="high"))
     client.post(f"/v1/jobs/{a}/cancel")
-    workers_registry.publish(redis, prefix=QUEUE_PREFIX, name="w1",
-                             memory=workers_registry.WorkerMemory(device="cpu", host_memory_bytes=2**30))
     engine = make_engine(settings.database_url)
+    with Session(engine) as db:  # one point first: the counter is the highest id, and tables are emptied per test
+        metrics.insert_batch(db, job_id=a, attempt=1, rows=[(0, "warmup", 0.0, utcnow())])
+        db.commit()
+    ingested = scrape(client)[("trainjobs_metric_points_ingested_total", ())]
     with Session(engine) as db:
+        workers.register(db, worker_id="w1", host="h", address="10.0.0.1", device="cpu", slots=2,
+                         memory_bytes=2**30, host_memory_bytes=2**30, labels={})
         metrics.insert_batch(db, job_id=a, attempt=1, rows=[(s, "loss", 1.0, utcnow()) for s in range(7)])
         db.commit()
     engine.dispose()
@@ -39,7 +47,32 @@ def test_metrics_count_jobs_by_status_queue_depth_workers_and_points(client, set
     assert got[("trainjobs_queue_depth", (("priority", "low"),))] == 0
     assert got[("trainjobs_workers", (("device", "cpu"),))] == 1
     assert got[("trainjobs_workers", (("device", "cuda"),))] == 0
-    assert got[("trainjobs_metric_points", ())] == 7
+    assert got[("trainjobs_metric_points_ingested_total", ())] - ingested == 7  # a counter: its increase
+    assert got[("trainjobs_jobs_queued", (("priority", "normal"),))] == 1
+    assert got[("trainjobs_jobs_queued", (("priority", "high"),))] == 1
+
+
+def test_worker_slots_count_live_workers_and_only_idle_ones_as_free(client, settings):
+    job_id = client.post("/v1/jobs", json=mlp_spec()).json()["id"]
+    engine = make_engine(settings.database_url)
+    with Session(engine) as db:
+        for name, device, slots in (("idle-cpu", "cpu", 4), ("busy-gpu", "cuda", 8), ("idle-gpu", "cuda", 2),
+                                    ("gone-gpu", "cuda", 8)):
+            workers.register(db, worker_id=name, host="h", address="10.0.0.1", device=device, slots=slots,
+                             memory_bytes=2**34, host_memory_bytes=2**35, labels={})
+        workers.occupy(db, worker_id="busy-gpu", job_id=job_id, slots=2)  # the rest of its GPUs are not free
+        db.execute(update(Worker).where(Worker.id == "gone-gpu")
+                   .values(last_seen=utcnow() - timedelta(seconds=settings.lease_s + 5)))  # silent: lost
+        db.commit()
+    engine.dispose()
+    got = scrape(client)
+    assert got[("trainjobs_workers", (("device", "cuda"),))] == 2
+    assert got[("trainjobs_worker_slots", (("device", "cuda"),))] == 10
+    assert got[("trainjobs_worker_slots_free", (("device", "cuda"),))] == 2
+    assert got[("trainjobs_worker_slots", (("device", "cpu"),))] == 4
+    assert got[("trainjobs_worker_slots_free", (("device", "cpu"),))] == 4
+    types = {f.name: f.type for f in text_string_to_metric_families(client.get("/metrics").text)}
+    assert types["trainjobs_metric_points_ingested"] == "counter" and types["trainjobs_worker_slots_free"] == "gauge"
 
 
 def test_job_wait_and_duration_histograms_come_from_the_jobs_timestamps(client, settings):
@@ -81,6 +114,7 @@ def test_each_app_has_its_own_registry(settings, redis):
 
     for _ in range(2):  # a second app would raise "Duplicated timeseries" on a shared registry
         with TestClient(create_app(settings)) as c:
+            c.headers["Authorization"] = f"Bearer {admin_token(settings)}"
             c.post("/v1/jobs", json=mlp_spec())
             key = ("trainjobs_http_request_duration_seconds_count",
                    (("method", "POST"), ("route", "/v1/jobs"), ("status", "2xx")))
@@ -101,6 +135,7 @@ def test_a_scrape_with_redis_down_still_answers_from_the_database(settings, redi
 
     down = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
     with TestClient(create_app(down)) as c:
+        c.headers["Authorization"] = f"Bearer {admin_token(down)}"
         c.post("/v1/jobs", json=mlp_spec())
         got = scrape(c)
     assert got[("trainjobs_jobs", (("status", "queued"),))] == 1

@@ -3,10 +3,11 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
+from service.auth.deps import JobIdDep
 from service.deps import SessionDep
+from service.errors import responses
 from service.jobs import service as jobs
 from service.metrics import service
-from service.metrics.downsample import downsample
 
 
 class Series(BaseModel):
@@ -22,9 +23,9 @@ class MetricsPublic(BaseModel):
 router = APIRouter(prefix="/v1/jobs", tags=["metrics"])
 
 
-@router.get("/{job_id}/metrics", response_model=MetricsPublic)
+@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=responses(404))
 def read_metrics(
-    job_id: str,
+    job_id: JobIdDep,
     db: SessionDep,
     name: Annotated[str | None, Query(max_length=64)] = None,
     after_step: Annotated[int | None, Query(ge=-1)] = None,
@@ -32,8 +33,7 @@ def read_metrics(
 ) -> MetricsPublic:
     """Every series of the job; with max_points, each thinned to at most that many points (min/max per bucket)."""
     jobs.get(db, job_id=job_id)
-    series = service.read_series(db, job_id=job_id, name=name, after_step=after_step)
     if max_points is not None:
-        for entry in series:
-            entry["steps"], entry["values"] = downsample(entry["steps"], entry["values"], max_points)
-    return MetricsPublic(series=series)
+        return MetricsPublic(series=service.read_thinned(db, job_id=job_id, max_points=max_points, name=name,
+                                                         after_step=after_step))
+    return MetricsPublic(series=service.read_series(db, job_id=job_id, name=name, after_step=after_step))

@@ -1,24 +1,28 @@
-"""Write metric batches, read them back as series."""
+"""Write metric batches, read them back as series (whole, or thinned for a chart)."""
 
 from collections.abc import Iterable
 from datetime import datetime
+from itertools import groupby
 
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from service.metrics.models import Metric
+from service.metrics import blocks
+from service.metrics.downsample import downsample
+from service.metrics.models import Metric, MetricBlock
 
 
 def insert_batch(
     db: Session, *, job_id: str, attempt: int, rows: Iterable[tuple[int, str, float, datetime]]
 ) -> int:
-    """Insert (step, name, value, time) rows in one statement."""
+    """Insert (step, name, value, time) rows in one statement, and update their series' block summaries."""
     values = [
         {"job_id": job_id, "attempt": attempt, "step": step, "name": name, "value": value, "time": t}
         for step, name, value, t in rows
     ]
     if values:
         db.execute(insert(Metric), values)
+        blocks.record(db, job_id=job_id, rows=((v["step"], v["name"], v["value"]) for v in values))
     return len(values)
 
 
@@ -40,3 +44,56 @@ def read_series(
         entry["steps"].append(step)
         entry["values"].append(value)
     return list(series.values())
+
+
+def read_thinned(db: Session, *, job_id: str, max_points: int, name: str | None = None,
+                 after_step: int | None = None) -> list[dict]:
+    """Every series (or `name`) thinned to at most max_points: min and max per bucket and the last point.
+
+    A series with at least one block per bucket is thinned from its block summaries (a first block that
+    after_step cuts, from its points); a shorter one from its points, by downsample().
+    """
+    buckets = (max_points - 1) // 2
+    if after_step is None and max_points >= 3:  # whole blocks only: the database thins them
+        thinned = blocks.thin_in_database(db, job_id=job_id, name=name, max_points=max_points)
+        if not thinned:  # NOTE: points written around insert_batch (a bulk load) have no summaries
+            return thin_points(db, job_id=job_id, name=name, after_step=None, max_points=max_points)
+        series = []
+        for series_name, (count, steps, values) in thinned.items():
+            if count < buckets:
+                series += thin_points(db, job_id=job_id, name=series_name, after_step=None, max_points=max_points)
+            else:
+                series.append({"name": series_name, "steps": steps, "values": values})
+        return series
+    query = select(MetricBlock.name, MetricBlock.block, MetricBlock.points, MetricBlock.last_step,
+                   MetricBlock.last_value, MetricBlock.min_step, MetricBlock.min_value, MetricBlock.max_step,
+                   MetricBlock.max_value).where(MetricBlock.job_id == job_id)
+    if name is not None:
+        query = query.where(MetricBlock.name == name)
+    cut = None if after_step is None else after_step // blocks.BLOCK_STEPS  # the block after_step falls in
+    if cut is not None:
+        query = query.where(MetricBlock.block >= cut)
+    found = db.execute(query.order_by(MetricBlock.name, MetricBlock.block)).all()
+    if not found:  # NOTE: points written around insert_batch (a bulk load) have no summaries: use the points
+        return thin_points(db, job_id=job_id, name=name, after_step=after_step, max_points=max_points)
+    series = []
+    for series_name, group in groupby(found, lambda row: row.name):
+        rows: list = list(group)  # each row has a Summary's fields
+        if max_points < 3 or len(rows) < buckets:
+            series += thin_points(db, job_id=job_id, name=series_name, after_step=after_step, max_points=max_points)
+            continue
+        if rows[0].block == cut:
+            points = blocks.block_points(db, job_id=job_id, name=series_name, block=cut, after_step=after_step)
+            rows[:1] = [blocks.summarize(points)] if points else []
+        if rows:
+            steps, values = blocks.thin(rows, max_points)
+            series.append({"name": series_name, "steps": steps, "values": values})
+    return series
+
+
+def thin_points(db: Session, *, job_id: str, name: str | None, after_step: int | None, max_points: int
+                ) -> list[dict]:
+    series = read_series(db, job_id=job_id, name=name, after_step=after_step)
+    for entry in series:
+        entry["steps"], entry["values"] = downsample(entry["steps"], entry["values"], max_points)
+    return series

@@ -1,0 +1,438 @@
+// The trainjobs dashboard: plain JS over the /v1 API, no build step and no dependency.
+// Charts are drawn by hand as SVG (one <path> per series): three small line charts do not need a library.
+// Everything that comes from the API reaches the DOM as text (textContent / text nodes), never as HTML.
+"use strict";
+
+const TOKEN_KEY = "trainjobs.token";
+const PAGE_SIZE = 25, MAX_POINTS = 500, LOG_KEEP = 100_000;
+const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+const SVGNS = "http://www.w3.org/2000/svg";
+const $ = (id) => document.getElementById(id);
+const sleep = (ms) => new Promise((done) => setTimeout(done, ms));
+
+// ---- DOM helpers: strings become text nodes, so user data is never parsed as markup.
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k === "cls" ? "class" : k, v);
+  for (const c of children) if (c !== null && c !== undefined) node.append(c instanceof Node ? c : String(c));
+  return node;
+}
+function svg(tag, attrs = {}, text) {
+  const node = document.createElementNS(SVGNS, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+function duration(s) {
+  s = Math.max(0, Math.round(s));
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m ${s % 60}s`;
+  if (s < 86400) return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
+  return `${Math.floor(s / 86400)}d ${Math.floor((s % 86400) / 3600)}h`;
+}
+const ago = (iso) => (iso ? `${duration((Date.now() - Date.parse(iso)) / 1000)} ago` : "");
+const when = (iso) => (iso ? new Date(iso).toLocaleString() : "");
+// An axis label: k/M for large values, else as many decimals as the axis span needs.
+function tick(v, span) {
+  if (Math.abs(v) >= 1e6) return `${(v / 1e6).toPrecision(3)}M`;
+  if (Math.abs(v) >= 1e4) return `${(v / 1e3).toPrecision(3)}k`;
+  return v.toFixed(Math.min(6, Math.max(0, Math.ceil(-Math.log10(span / 2)) + 1)));
+}
+function bytes(n) {
+  const [unit, size] = [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]].find(([, v]) => n >= v) || ["B", 1];
+  return `${(n / size).toFixed(size > 1 ? 1 : 0)} ${unit}`;
+}
+
+// ---- The API: every call carries the stored token; a 401 asks for one.
+class ApiError extends Error {
+  constructor(status, message) { super(message); this.status = status; }
+}
+async function detailOf(r) {
+  try {
+    const d = (await r.json()).detail;
+    if (Array.isArray(d)) return d.map((e) => `${(e.loc || []).join(".")}: ${e.msg}`).join("; ");
+    return typeof d === "string" ? d : JSON.stringify(d);
+  } catch { return `${r.status} ${r.statusText}`; }
+}
+async function api(path, { method = "GET", headers = {}, signal } = {}) {
+  const token = localStorage.getItem(TOKEN_KEY);
+  if (token) headers = { ...headers, Authorization: `Bearer ${token}` };
+  const r = await fetch(path, { method, headers, signal, cache: "no-store" });
+  if (r.status === 401) { showToken(true); throw new ApiError(401, `${await detailOf(r)}: enter a token above`); }
+  if (!r.ok && r.status !== 304) throw new ApiError(r.status, await detailOf(r));
+  return r;
+}
+// GET with If-None-Match: a 304 means the copy we hold is current (changed: false).
+const held = new Map();
+async function getJson(path) {
+  const copy = held.get(path);
+  const r = await api(path, { headers: copy ? { "If-None-Match": copy.etag } : {} });
+  if (r.status === 304 && copy) return { body: copy.body, changed: false };
+  const body = await r.json();
+  if (held.size > 100) held.clear();
+  if (r.headers.get("ETag")) held.set(path, { etag: r.headers.get("ETag"), body });
+  return { body, changed: true };
+}
+function report(err) {
+  const banner = $("banner");
+  banner.textContent = err ? `${err.message || err}` : "";
+  banner.hidden = !err;
+}
+// Run fn now and then every ms until stop() or fn returns false; a failure shows in the banner (and a 404,
+// which will not mend itself, ends the polling).
+function every(ms, fn) {
+  let timer, stopped = false;
+  const tick = async () => {
+    try { if ((await fn()) === false) return; report(null); } catch (e) {
+      if (!stopped) report(e);
+      if (e.status === 404) return;
+    }
+    if (!stopped) timer = setTimeout(tick, ms);
+  };
+  tick();
+  return () => { stopped = true; clearTimeout(timer); };
+}
+
+// ---- The token form: shown when none is stored, highlighted when the API answered 401.
+function showToken(needed = false) {
+  const has = Boolean(localStorage.getItem(TOKEN_KEY));
+  $("token-form").hidden = has && !needed;
+  $("token-form").classList.toggle("needed", needed);
+  $("token-label").textContent = needed ? "The API needs a token" : "API token (if auth is on)";
+  $("token-set").hidden = !has || needed;
+}
+$("token-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const token = $("token-input").value.trim();
+  if (token) localStorage.setItem(TOKEN_KEY, token); else localStorage.removeItem(TOKEN_KEY);
+  $("token-input").value = "";
+  held.clear(); showToken(); route();
+});
+$("token-forget").addEventListener("click", () => { localStorage.removeItem(TOKEN_KEY); held.clear(); showToken(); });
+
+// ---- Views: #/ (jobs), #/jobs/<id>, #/workers. Each returns its stop().
+let stopView = () => {};
+function show(name) {
+  for (const v of document.querySelectorAll(".view")) v.hidden = v.id !== `view-${name}`;
+  for (const a of document.querySelectorAll("[data-nav]")) a.classList.toggle("on", a.dataset.nav === name);
+}
+function route() {
+  stopView(); report(null);
+  const m = location.hash.match(/^#\/jobs\/([^/]+)$/);
+  if (m) stopView = jobView(decodeURIComponent(m[1]));
+  else if (location.hash === "#/workers") stopView = workersView();
+  else stopView = jobsView();
+}
+window.addEventListener("hashchange", route);
+
+function statusBadge(status) { return el("span", { cls: `badge ${status}` }, status); }
+function worldSize(spec) {
+  const r = spec.resources || {};
+  return `${r.nnodes ?? 1}×${r.nproc_per_node ?? 1}`;
+}
+function strategyOf(job) {
+  return job.plan && job.plan.requested === "auto" ? `${job.spec.strategy} (auto)` : job.spec.strategy || "";
+}
+function progressText(job) {
+  const p = job.progress, parts = [p.total_steps ? `${p.step}/${p.total_steps}` : `step ${p.step}`];
+  if (p.eta_s !== null && p.eta_s !== undefined && !TERMINAL.has(job.status)) parts.push(`ETA ${duration(p.eta_s)}`);
+  return parts.join(" · ");
+}
+function progressFraction(job) {
+  const p = job.progress;
+  if (p.total_steps) return Math.min(1, p.step / p.total_steps);
+  return job.status === "succeeded" ? 1 : 0;
+}
+function progressBar(job) {
+  const fill = el("div", { cls: `fill ${job.status}`, style: `width:${(progressFraction(job) * 100).toFixed(1)}%` });
+  return el("div", { cls: "progress" }, fill, el("span", {}, progressText(job)));
+}
+
+const listState = { status: "", cursors: [null] }; // cursors[i]: the cursor of page i (null: the newest)
+function jobsView() {
+  show("jobs");
+  const pageUrl = () => {
+    const q = new URLSearchParams({ limit: PAGE_SIZE });
+    if (listState.status) q.set("status", listState.status);
+    if (listState.cursors.at(-1)) q.set("cursor", listState.cursors.at(-1));
+    return `/v1/jobs?${q}`;
+  };
+  let next = null, stop = () => {};
+  const render = (body) => {
+    const rows = body.items.map((job) => el("tr", { "data-job": job.id },
+      el("td", {}, statusBadge(job.status)),
+      el("td", {}, el("a", { href: `#/jobs/${encodeURIComponent(job.id)}` }, job.name)),
+      el("td", {}, job.owner), el("td", {}, strategyOf(job)), el("td", { cls: "num" }, worldSize(job.spec)),
+      el("td", {}, progressBar(job)),
+      el("td", { cls: "age", "data-time": job.created_at, title: when(job.created_at) }, ago(job.created_at))));
+    document.querySelector("#jobs-table tbody").replaceChildren(...rows);
+    $("jobs-empty").hidden = rows.length > 0;
+    next = body.next_cursor;
+    $("page-next").disabled = !next;
+    $("page-prev").disabled = listState.cursors.length < 2;
+    $("page-no").textContent = `page ${listState.cursors.length}`;
+  };
+  const restart = () => {
+    stop();
+    stop = every(2000, async () => {
+      const { body, changed } = await getJson(pageUrl());
+      if (changed) render(body);
+      for (const cell of document.querySelectorAll("#jobs-table td.age")) cell.textContent = ago(cell.dataset.time);
+    });
+  };
+  for (const chip of document.querySelectorAll("#status-filter button")) {
+    chip.classList.toggle("on", chip.dataset.status === listState.status);
+    chip.onclick = () => {
+      listState.status = chip.dataset.status; listState.cursors = [null];
+      for (const c of document.querySelectorAll("#status-filter button")) c.classList.toggle("on", c === chip);
+      restart();
+    };
+  }
+  $("page-next").onclick = () => { if (next) { listState.cursors.push(next); restart(); } };
+  $("page-prev").onclick = () => { if (listState.cursors.length > 1) { listState.cursors.pop(); restart(); } };
+  restart();
+  return () => stop();
+}
+
+// ---- Metric series: points from the stream are merged in step order (a step seen again replaces the old
+// value: a retry's), and a series that grows past 2 * MAX_POINTS is thinned as the API does (min and max per
+// bucket, always the last point), so a long job's charts stay small.
+function upsert(s, step, value) {
+  const n = s.steps.length;
+  if (!n || step > s.steps[n - 1]) { s.steps.push(step); s.values.push(value); return; }
+  let lo = 0, hi = n;
+  while (lo < hi) { const mid = (lo + hi) >> 1; if (s.steps[mid] < step) lo = mid + 1; else hi = mid; }
+  if (s.steps[lo] === step) s.values[lo] = value;
+  else { s.steps.splice(lo, 0, step); s.values.splice(lo, 0, value); }
+}
+function thin(s, max) {
+  const out = { steps: [], values: [] }, size = Math.ceil(s.steps.length / Math.max(1, Math.floor(max / 2)));
+  for (let i = 0; i < s.steps.length - 1; i += size) {
+    const end = Math.min(i + size, s.steps.length - 1);
+    let lo = i, hi = i;
+    for (let k = i; k < end; k++) { if (s.values[k] < s.values[lo]) lo = k; if (s.values[k] > s.values[hi]) hi = k; }
+    for (const k of lo === hi ? [lo] : [Math.min(lo, hi), Math.max(lo, hi)]) {
+      out.steps.push(s.steps[k]); out.values.push(s.values[k]);
+    }
+  }
+  out.steps.push(s.steps.at(-1)); out.values.push(s.values.at(-1));
+  return out;
+}
+function mergeSeries(series, incoming) {
+  for (const s of incoming) {
+    const cur = series.get(s.name) || { steps: [], values: [] };
+    s.steps.forEach((step, i) => upsert(cur, step, s.values[i]));
+    series.set(s.name, cur.steps.length > 2 * MAX_POINTS ? thin(cur, MAX_POINTS) : cur);
+  }
+}
+
+// A line chart: axes with three y ticks, the first and last step, one path per series, a legend if several.
+// zero: the y axis starts at 0 (throughput, memory), so noise does not look like a trend.
+function drawChart(node, lines, { zero = false } = {}) {
+  const W = 360, H = 170, L = 52, R = 10, T = 12, B = 22;
+  node.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  node.replaceChildren();
+  const drawn = lines.filter((l) => l.steps.length);
+  if (!drawn.length) { node.append(svg("text", { x: W / 2, y: H / 2, class: "empty" }, "no data yet")); return; }
+  const xs = drawn.flatMap((l) => [l.steps[0], l.steps.at(-1)]), ys = drawn.flatMap((l) => l.values);
+  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  if (zero) y0 = Math.min(0, y0);
+  if (x0 === x1) x1 = x0 + 1;
+  if (y0 === y1) { const d = Math.abs(y0) * 0.1 || 1; y0 -= d; y1 += d; }
+  const px = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R), py = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
+  for (const y of [y0, (y0 + y1) / 2, y1]) {
+    node.append(svg("line", { x1: L, x2: W - R, y1: py(y), y2: py(y), class: "grid" }),
+      svg("text", { x: L - 6, y: py(y) + 4, class: "tick y" }, tick(y, y1 - y0)));
+  }
+  node.append(svg("text", { x: L, y: H - 6, class: "tick" }, `step ${x0}`),
+    svg("text", { x: W - R, y: H - 6, class: "tick end" }, `${x1}`));
+  drawn.forEach((l, i) => {
+    const d = l.steps.map((s, k) => `${k ? "L" : "M"}${px(s).toFixed(1)},${py(l.values[k]).toFixed(1)}`).join("");
+    node.append(svg("path", { d, class: `line s${i}` }));
+    if (l.steps.length === 1) {
+      node.append(svg("circle", { cx: px(l.steps[0]), cy: py(l.values[0]), r: 3, class: `dot s${i}` }));
+    }
+    if (drawn.length > 1) node.append(svg("text", { x: W - R, y: T + 10 + 12 * i, class: `legend end s${i}` }, l.name));
+  });
+}
+function drawCharts(series) {
+  const get = (name) => ({ name, ...(series.get(name) || { steps: [], values: [] }) });
+  drawChart($("chart-loss"), [get("loss"), get("eval_loss")]);
+  const rate = series.has("tokens_per_s") ? "tokens_per_s" : "samples_per_s";
+  $("throughput-caption").textContent = rate.replaceAll("_", " ").replace(" per s", "/s");
+  drawChart($("chart-throughput"), [get(rate)], { zero: true });
+  drawChart($("chart-memory"), [get("peak_mem_mb")], { zero: true });
+}
+
+// ---- Server-Sent Events over fetch(): EventSource cannot send an Authorization header.
+async function readEvents(path, lastId, onEvent, signal) {
+  const r = await api(path, { headers: lastId ? { "Last-Event-ID": lastId } : {}, signal });
+  const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = "", fields = {};
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += value;
+    let i;
+    while ((i = buf.search(/[\r\n]/)) >= 0) {
+      if (buf[i] === "\r" && i === buf.length - 1) break; // a \r\n split across chunks: wait for the \n
+      const line = buf.slice(0, i);
+      buf = buf.slice(buf[i] === "\r" && buf[i + 1] === "\n" ? i + 2 : i + 1);
+      if (line === "") { if (fields.data !== undefined) onEvent(fields); fields = {}; continue; }
+      if (line.startsWith(":")) continue; // a comment: the server's keep-alive ping
+      const colon = line.indexOf(":"), key = colon < 0 ? line : line.slice(0, colon);
+      const val = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+      fields[key] = key === "data" && fields.data !== undefined ? `${fields.data}\n${val}` : val;
+    }
+  }
+}
+
+function jobView(id) {
+  show("job");
+  const base = `/v1/jobs/${encodeURIComponent(id)}`, aborter = new AbortController(), series = new Map();
+  const decoder = new TextDecoder();
+  let stopped = false, job = null, logOffset = 0, drawQueued = false;
+  for (const k of ["job-name", "job-meta", "job-summary", "job-progress", "log", "job-spec", "plan-reason",
+    "plan-check"]) $(k).textContent = "";
+  $("job-cancel-error").hidden = true; $("job-error-box").hidden = true;
+  for (const t of ["plan-table", "attempts-table"]) document.querySelector(`#${t} tbody`).replaceChildren();
+  drawCharts(series);
+  const redraw = () => {
+    if (drawQueued) return;
+    drawQueued = true;
+    requestAnimationFrame(() => { drawQueued = false; drawCharts(series); });
+  };
+  const refreshJob = async () => {
+    const { body, changed } = await getJson(base);
+    job = body;
+    if (changed) renderJob(body);
+  };
+  const refreshAttempts = async () => renderAttempts((await (await api(`${base}/attempts`)).json()).data);
+  const loadMetrics = async () => {
+    const body = await (await api(`${base}/metrics?max_points=${MAX_POINTS}`)).json();
+    mergeSeries(series, body.series); redraw();
+  };
+  const onEvent = (ev) => {
+    const data = JSON.parse(ev.data);
+    if (ev.event === "metrics") { mergeSeries(series, data.series); redraw(); }
+    if (ev.event === "progress" && job) { job.progress = { ...job.progress, ...data }; renderProgress(job); }
+    if (ev.event === "status") { refreshJob().catch(report); refreshAttempts().catch(report); }
+    return ev.event === "status" && TERMINAL.has(data.status);
+  };
+  // The stream ends after the terminal status; any other end is a drop: reconnect where it left off.
+  const follow = async () => {
+    let lastId = null, ended = false;
+    while (!stopped && !ended) {
+      try {
+        await readEvents(`${base}/events`, lastId, (ev) => {
+          if (ev.id !== undefined) lastId = ev.id;
+          ended = onEvent(ev) || ended;
+        }, aborter.signal);
+      } catch (e) { if (!stopped) report(e); }
+      if (!ended && !stopped) await sleep(2000);
+    }
+  };
+  const stopLog = every(1000, async () => {
+    const r = await api(`${base}/logs?offset=${logOffset}`, { signal: aborter.signal });
+    const bytes = await r.arrayBuffer();
+    logOffset = Number(r.headers.get("X-Next-Offset") || logOffset + bytes.byteLength);
+    appendLog(decoder.decode(bytes, { stream: true }));
+    const done = TERMINAL.has(r.headers.get("X-Job-Status"));
+    $("log-state").textContent = done ? "(ended)" : "(following)";
+    return !done; // a read made once the job ended holds the whole log
+  });
+  $("job-cancel").onclick = async () => {
+    $("job-cancel-error").hidden = true;
+    try { renderJob(await (await api(`${base}/cancel`, { method: "POST" })).json()); } catch (e) {
+      $("job-cancel-error").textContent = `Cancel refused: ${e.message}`; $("job-cancel-error").hidden = false;
+    }
+  };
+  Promise.all([refreshJob(), refreshAttempts(), loadMetrics()]).then(follow, report);
+  return () => { stopped = true; stopLog(); aborter.abort(); };
+}
+function appendLog(text) {
+  if (!text) return;
+  const pre = $("log"), atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+  pre.textContent = (pre.textContent + text).slice(-LOG_KEEP);
+  if (atBottom) pre.scrollTop = pre.scrollHeight;
+}
+function renderProgress(job) {
+  $("job-bar").className = `fill ${job.status}`;
+  $("job-bar").style.width = `${(progressFraction(job) * 100).toFixed(1)}%`;
+  $("job-progress").textContent = progressText(job);
+}
+function renderJob(job) {
+  $("job-name").textContent = job.name;
+  $("job-status").className = `badge ${job.status}`;
+  $("job-status").textContent = job.status;
+  const ended = job.finished_at ? ` · ended ${ago(job.finished_at)}` : "";
+  $("job-meta").textContent = `${job.id} · ${job.owner} · ${strategyOf(job)} on ${worldSize(job.spec)} ` +
+    `${(job.spec.resources || {}).device || ""} · priority ${job.priority} · attempt ${job.attempt}/` +
+    `${job.max_retries + 1} · submitted ${ago(job.created_at)}${ended}`;
+  const cancel = $("job-cancel");
+  cancel.hidden = TERMINAL.has(job.status);
+  cancel.disabled = Boolean(job.cancel_requested_at);
+  cancel.textContent = job.cancel_requested_at ? "Cancelling…" : "Cancel";
+  renderProgress(job);
+  const facts = Object.entries(job.summary || {}).filter(([, v]) => typeof v === "number");
+  $("job-summary").textContent = facts
+    .map(([k, v]) => `${k.replaceAll("_", " ")} ${Number.isInteger(v) ? v : v.toPrecision(4)}`).join(" · ");
+  $("job-spec").textContent = JSON.stringify(job.spec, null, 2);
+  $("job-error-box").hidden = !job.error;
+  if (job.error) {
+    const e = job.error, rank = e.rank !== undefined && e.rank !== null ? ` (rank ${e.rank})` : "";
+    $("job-error").textContent = `${e.type || "error"}${rank}: ${e.message || ""}`;
+    $("job-traceback").textContent = e.traceback || e.excerpt || "";
+  }
+  renderPlan(job);
+}
+function renderPlan(job) {
+  const plan = job.plan, head = document.querySelector("#plan-table thead");
+  const body = document.querySelector("#plan-table tbody");
+  if (!plan) {
+    $("plan-reason").textContent = "No plan: the job runs its own script.";
+    head.replaceChildren(); body.replaceChildren();
+    return;
+  }
+  $("plan-reason").textContent = plan.reason;
+  const cols = ["ddp", "fsdp"], chosen = (s) => (s === plan.strategy ? "chosen" : "");
+  head.replaceChildren(el("tr", {}, el("th", {}, ""), ...cols.map((s) => el("th", { cls: chosen(s) }, s))));
+  const parts = [...new Set(cols.flatMap((s) => Object.keys(plan[s].breakdown)))];
+  const row = (label, f, cls = "") => el("tr", { cls }, el("th", {}, label),
+    ...cols.map((s) => el("td", { cls: `num ${chosen(s)}` }, f(plan[s]))));
+  body.replaceChildren(...parts.map((p) => row(p.replaceAll("_", " "), (e) => bytes(e.breakdown[p] || 0))),
+    row("per device", (e) => bytes(e.total_bytes), "total"));
+  const m = job.memory || {};
+  const measured = m.measured_peak_mb ? ` · measured peak ${m.measured_peak_mb.toFixed(1)} MB` : "";
+  $("plan-check").textContent = `${plan.device} memory ${plan.device_memory_gib} GiB per rank ` +
+    `(${plan.device_memory_source}), limit ${plan.limit_gib} GiB${measured}`;
+}
+function renderAttempts(attempts) {
+  document.querySelector("#attempts-table tbody").replaceChildren(...attempts.map((a) => el("tr", {},
+    el("td", { cls: "num" }, a.number), el("td", {}, a.worker), el("td", {}, statusBadge(a.status)),
+    el("td", { title: when(a.started_at) }, ago(a.started_at)),
+    el("td", { title: when(a.finished_at) }, ago(a.finished_at)), el("td", { cls: "num" }, a.exit_code ?? ""),
+    el("td", { cls: "error" }, a.error ? `${a.error.type}: ${a.error.message}` : ""))));
+}
+
+function workersView() {
+  show("workers");
+  return every(2000, async () => {
+    const { body, changed } = await getJson("/v1/workers");
+    if (!changed) return;
+    const rows = body.items.map((w) => el("tr", {},
+      el("td", {}, statusBadge(w.state)), el("td", {}, w.id), el("td", { title: w.address }, w.host),
+      el("td", {}, w.device),
+      el("td", { cls: "muted" }, Object.entries(w.labels || {}).map(([k, v]) => `${k}=${v}`).join(", ")),
+      el("td", { cls: "num" }, w.memory_gb !== null && w.memory_gb !== undefined ? `${w.memory_gb} GiB` : ""),
+      el("td", { cls: "num" }, `${w.busy_slots}/${w.slots}`),
+      el("td", {}, w.current_job
+        ? el("a", { href: `#/jobs/${encodeURIComponent(w.current_job)}` }, w.current_job) : "idle"),
+      el("td", { title: when(w.last_seen) }, ago(w.last_seen))));
+    document.querySelector("#workers-table tbody").replaceChildren(...rows);
+    $("workers-empty").hidden = rows.length > 0;
+  });
+}
+
+showToken();
+route();

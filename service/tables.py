@@ -1,0 +1,38 @@
+"""How the CLI shows a memory plan, a job and a page of jobs: rich tables (`--json` prints the API's JSON)."""
+
+from rich.table import Column, Table
+
+
+def plan_table(plan: dict) -> Table:
+    """Both estimates per device, line by line of their breakdown, and the totals."""
+    table = Table("per device", "ddp", "fsdp", title=f"{plan['parameters']:,} parameters on {plan['device']}")
+    for key in dict.fromkeys([*plan["ddp"]["breakdown"], *plan["fsdp"]["breakdown"]]):
+        row = [plan[s]["breakdown"].get(key) for s in ("ddp", "fsdp")]
+        table.add_row(key, *("" if v is None else f"{v / 2**30:.3f} GiB" for v in row))
+    table.add_row("[bold]total", *(f"[bold]{plan[s]['total_gib']:.3f} GiB" for s in ("ddp", "fsdp")))
+    return table
+
+
+def job_table(job: dict) -> Table:
+    progress = job["progress"]
+    table = Table(show_header=False, title=f"job {job['id']}")
+    for key, value in (("name", job["name"]), ("status", job["status"]), ("priority", job["priority"]),
+                       ("attempt", f"{job['attempt']} (max retries {job['max_retries']})"),
+                       ("step", f"{progress['step']}/{progress['total_steps'] or '?'}"),
+                       ("eta", f"{progress['eta_s']:.0f} s" if progress.get("eta_s") is not None else ""),
+                       ("created", job["created_at"]), ("started", job["started_at"] or ""),
+                       ("finished", job["finished_at"] or "")):
+        table.add_row(key, str(value))
+    return table
+
+
+def jobs_table(page: dict) -> Table:
+    """One row a job: who, how it runs (strategy, nnodes × processes per node) and how far it got."""
+    table = Table(Column("id", no_wrap=True), "name", "owner", "status", "strategy", "world", "step",
+                  Column("created (UTC)", no_wrap=True))
+    for job in page["items"]:
+        progress, resources = job["progress"], job["spec"]["resources"]
+        table.add_row(job["id"], job["name"], job["owner"], job["status"], job["spec"]["strategy"],
+                      f"{resources['nnodes']}×{resources['nproc_per_node']}",
+                      f"{progress['step']}/{progress['total_steps'] or '?'}", job["created_at"][:16].replace("T", " "))
+    return table

@@ -1,0 +1,247 @@
+"""`trainjobs submit --follow` and `trainjobs logs --follow` on the event stream: live progress, the job's
+outcome as the exit code, reconnection with Last-Event-ID, and no polling."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+from service.db import utcnow
+from service.jobs import service as jobs
+from service.jobs.status import JobStatus
+from service.logs import service as logs
+from service.metrics import service as metrics
+from tests.conftest import mlp_spec
+from tests.helpers import live_stack, wait_for
+
+
+@pytest.fixture(scope="module")
+def stack(postgres_url, tmp_path_factory):
+    """A live API without workers: each test moves its job through its states by hand."""
+    with live_stack(postgres_url, tmp_path_factory.mktemp("follow"), name="follow", workers=0) as stack:
+        yield stack
+
+
+@pytest.fixture
+def db(postgres_url):
+    engine = create_engine(postgres_url)
+    with Session(engine) as session:
+        yield session
+    engine.dispose()
+
+
+@pytest.fixture
+def spec_file(tmp_path):
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(mlp_spec(name="followed")))
+    return str(path)
+
+
+def trainjobs(stack, *argv: str, api_url: str | None = None) -> subprocess.Popen:
+    """The real command in a process of its own, as a user runs it."""
+    env = {**os.environ, "TRAINJOBS_API_URL": api_url or stack.api_url, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
+    if stack.token:
+        env["TRAINJOBS_TOKEN"] = stack.token
+    return subprocess.Popen([sys.executable, "-m", "service.cli", *argv], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 30) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+def newest_job(stack) -> str | None:
+    with stack.client() as api:
+        items = api.get("/v1/jobs", params={"limit": 1}).json()["items"]
+    return items[0]["id"] if items else None
+
+
+def submit(stack, spec_file: str, *argv: str, api_url: str | None = None) -> tuple[subprocess.Popen, str]:
+    """`trainjobs submit` in a process of its own, and the id of the job it made."""
+    before = newest_job(stack)
+    proc = trainjobs(stack, "submit", spec_file, *argv, api_url=api_url)
+    return proc, wait_for(lambda: (newest_job(stack) or before) != before and newest_job(stack), 20,
+                          what="the submitted job")
+
+
+def move(db: Session, job_id: str, to: JobStatus, **values) -> None:
+    assert jobs.transition(db, job_id=job_id, to=to, values=values)
+    db.commit()
+
+
+def start(db: Session, job_id: str) -> None:
+    move(db, job_id, JobStatus.STARTING, attempt=1, started_at=utcnow())
+    move(db, job_id, JobStatus.RUNNING, progress={"step": 0, "total_steps": 20})
+
+
+def add_points(db: Session, job_id: str, steps: range) -> None:
+    rows = [(s, name, value, utcnow()) for s in steps for name, value in (("loss", 1.0 / (s + 1)),
+                                                                          ("samples_per_s", 5000.0))]
+    metrics.insert_batch(db, job_id=job_id, attempt=1, rows=rows)
+    db.commit()
+
+
+def request_count(stack, route: str) -> float:
+    with stack.client() as api:
+        text = api.get("/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "trainjobs_http_request_duration_seconds_count" and s.labels.get("route") == route)
+
+
+class DroppingProxy:
+    """A TCP proxy in front of the API that keeps what passes through and can cut every open connection."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream_port, self.server = upstream_port, socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.up, self.down, self.sockets = bytearray(), [], []  # all requests; each connection's responses
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self.sockets += [client, upstream]
+            self.down.append(bytearray())
+            threading.Thread(target=self._pump, args=(client, upstream, self.up), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self.down[-1]), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, record: bytearray) -> None:
+        try:
+            while data := src.recv(65536):
+                record += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            dst.close()
+
+    def drop(self) -> None:
+        for sock in self.sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.sockets.clear()
+
+    def close(self) -> None:
+        self.drop()
+        self.server.close()
+
+    def events_sent(self) -> list[list[tuple[str, str, dict]]]:
+        """(id, kind, data) of every event sent down, per connection that carried any."""
+        found = [re.findall(rb"id: (\d+)\r\nevent: (\w+)\r\ndata: (.*?)\r\n", bytes(d)) for d in self.down]
+        return [[(i.decode(), k.decode(), json.loads(v)) for i, k, v in events] for events in found if events]
+
+    def last_event_ids(self) -> list[str | None]:
+        """The Last-Event-ID of each request for an event stream, in order."""
+        heads = re.findall(rb"GET /v1/jobs/\w+/events HTTP/1.1\r\n(.*?)\r\n\r\n", bytes(self.up), re.S)
+        return [(re.findall(rb"(?im)^last-event-id: (\d+)", h) or [None])[0] for h in heads]
+
+
+def test_submit_follow_shows_a_real_jobs_progress_and_exits_0(postgres_url, tmp_path, spec_file):
+    with live_stack(postgres_url, tmp_path / "data", name="followreal", workers=1) as real:
+        proc, job_id = submit(real, spec_file, "--follow")
+        log_follower = trainjobs(real, "logs", job_id, "--follow")
+        code, out = finish(proc, timeout=120)
+        log_code, followed = finish(log_follower)
+        with real.client() as api:
+            stored = api.get(f"/v1/jobs/{job_id}/logs").text
+        listing = subprocess.run([sys.executable, "-m", "service.cli", "list"], capture_output=True, text=True,
+                                 env={**os.environ, "TRAINJOBS_API_URL": real.api_url, "COLUMNS": "160",
+                                      **({"TRAINJOBS_TOKEN": real.token} if real.token else {})}).stdout
+    assert code == 0, out
+    assert "20/20" in out and "loss " in out and "samples/s" in out and "succeeded" in out and "summary" in out
+    assert log_code == 0 and followed == stored and "samples/s" in stored  # every byte, once, in order
+    assert re.search(rf"{job_id}.*followed.*succeeded.*ddp.*1×2.*20/20", listing), listing
+
+
+def test_follow_resumes_with_last_event_id_after_the_connection_drops(stack, db, spec_file):
+    proxy = DroppingProxy(stack.port)
+    try:
+        proc, job_id = submit(stack, spec_file, "--follow", "--json", api_url=proxy.url)
+        start(db, job_id)
+        add_points(db, job_id, range(0, 3))
+        wait_for(lambda: any(k == "metrics" for c in proxy.events_sent() for _i, k, _d in c), 10,
+                 what="the first points to be sent")
+        seen = proxy.events_sent()[-1][-1][0]
+        proxy.drop()  # mid-job: the follower must reconnect and resume from the last event it saw
+        wait_for(lambda: len(proxy.events_sent()) == 2 and len(proxy.events_sent()[1]) >= 2, 10,
+                 what="the follower to reconnect")
+        add_points(db, job_id, range(3, 6))
+        move(db, job_id, JobStatus.SUCCEEDED, progress={"step": 20, "total_steps": 20})
+        code, out = finish(proc)
+    finally:
+        proxy.close()
+    assert code == 0, out
+    assert json.loads(out)["status"] == "succeeded"
+    assert proxy.last_event_ids() == [None, seen.encode()]
+    _first, again = proxy.events_sent()
+    assert [k for _i, k, _d in again[:2]] == ["status", "progress"]  # the state again, on reconnect
+    resumed = [s for _i, k, d in again if k == "metrics" for s in d["series"][0]["steps"]]
+    assert resumed == [3, 4, 5]  # only the points not seen before the drop
+    assert again[-1][1:] == ("status", {"status": "succeeded"})
+
+
+@pytest.mark.parametrize(("end", "code"), [(JobStatus.FAILED, 1), (JobStatus.CANCELLED, 130)])
+def test_submit_follow_exits_with_the_jobs_outcome(stack, db, spec_file, end, code):
+    proc, job_id = submit(stack, spec_file, "--follow")
+    start(db, job_id)
+    error = {"type": "ValueError", "message": "bad batch", "rank": 1} if end is JobStatus.FAILED else None
+    move(db, job_id, end, error=error, finished_at=utcnow())
+    returncode, out = finish(proc)
+    assert returncode == code, out
+    assert end.value in out
+    if error:
+        assert "ValueError on rank 1: bad batch" in out
+
+
+def test_ctrl_c_stops_following_with_130_and_leaves_the_job_alone(stack, spec_file):
+    reads_before = request_count(stack, "/v1/jobs/{job_id}")
+    proc, job_id = submit(stack, spec_file, "--follow")
+    wait_for(lambda: request_count(stack, "/v1/jobs/{job_id}") > reads_before, 10, what="the follower to start")
+    proc.send_signal(signal.SIGINT)
+    returncode, out = finish(proc)
+    with stack.client() as api:
+        job = api.get(f"/v1/jobs/{job_id}").json()
+    assert returncode == 130, out
+    assert f"stopped following job {job_id}; it keeps running" in out
+    assert job["status"] == "queued" and job["cancel_requested_at"] is None
+
+
+def test_logs_follow_reads_the_log_only_when_the_stream_says_it_grew(stack, db):
+    with stack.client() as api:
+        job_id = api.post("/v1/jobs", json=mlp_spec()).json()["id"]
+    start(db, job_id)
+    reads_before = request_count(stack, "/v1/jobs/{job_id}/logs")
+    proc = trainjobs(stack, "logs", job_id, "--follow", "--json")
+    wait_for(lambda: request_count(stack, "/v1/jobs/{job_id}/logs") > reads_before, 10, what="the first read")
+    offset = 0
+    for seq, text in enumerate(["rank 0 up\n", "step 5 loss 0.5\n", "step 10 loss 0.2\n"], start=1):
+        offset += logs.append(db, job_id=job_id, attempt=1, start=offset, seq=seq, text=text)
+        db.commit()
+        # each line must reach the follower before the next is written: it is pushed, not found on a timer
+        wait_for(lambda n=seq: request_count(stack, "/v1/jobs/{job_id}/logs") >= reads_before + n + 1, 10,
+                 what=f"the follower to read line {seq}")
+    idle = request_count(stack, "/v1/jobs/{job_id}/logs")
+    threading.Event().wait(2)  # 2 s with nothing new (20 ticks of the server's poll): no read at all
+    assert request_count(stack, "/v1/jobs/{job_id}/logs") == idle
+    move(db, job_id, JobStatus.SUCCEEDED, finished_at=utcnow())
+    returncode, out = finish(proc)
+    assert returncode == 0, out
+    assert [json.loads(line)["text"] for line in out.splitlines()] == ["rank 0 up\n", "step 5 loss 0.5\n",
+                                                                        "step 10 loss 0.2\n"]
