@@ -1,10 +1,15 @@
 """One error hierarchy; service/main.py maps it to HTTP in one place."""
 
+from typing import Any
+
+from pydantic import BaseModel, Field
+
 
 class TrainjobsError(Exception):
     """Base of every error the control plane raises on purpose."""
 
     status_code = 400
+    headers: dict[str, str] | None = None
 
     def __init__(self, message: str, *, field: str | None = None):
         super().__init__(message)
@@ -39,3 +44,34 @@ class IdempotencyConflict(TrainjobsError):
 
 class InvalidRequest(TrainjobsError):
     status_code = 422
+
+
+class Forbidden(TrainjobsError):
+    """The caller is known but lacks the right (never used to hide another owner's job: that is a 404)."""
+
+    status_code = 403
+
+
+class ErrorPublic(BaseModel):
+    """Every error this API raises on purpose: what went wrong, and the field (or header) at fault."""
+
+    detail: str | list[dict[str, Any]] = Field(description="a message; a list of field errors for a 422 "
+                                                            "from request validation")
+    field: str | None = None
+
+
+DESCRIPTIONS = {
+    400: "the body could not be read as JSON",
+    401: "no token, or an invalid, revoked or expired one (WWW-Authenticate: Bearer)",
+    403: "the token lacks the right",
+    404: "not found, or not yours",
+    409: "conflicts with the current state",
+    413: "request body too large",
+    422: "invalid input; `field` or the detail's `loc` names it",
+    429: "too many submissions or the owner's quota is full (Retry-After)",
+}
+
+
+def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error statuses a route can answer, so the schema tells no lies."""
+    return {code: {"model": ErrorPublic, "description": DESCRIPTIONS[code]} for code in codes}

@@ -1,16 +1,23 @@
 """The app factory: routers, error handlers, and the sweeper started with the app."""
 
 import logging
+import re
 import threading
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from redis import Redis
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.artifacts.router import router as artifacts_router
+from service.auth import tokens
+from service.auth.deps import current_principal
+from service.auth.limits import BodyLimit, RefuseNul
+from service.auth.router import router as auth_router
+from service.dashboard.router import router as dashboard_router
 from service.db import make_engine, make_sessionmaker
-from service.errors import TrainjobsError
+from service.errors import TrainjobsError, responses
 from service.events import router as events_router
 from service.health import router as health_router
 from service.jobs.router import router as jobs_router
@@ -20,12 +27,19 @@ from service.plan_router import router as plan_router
 from service.prometheus import install as install_prometheus
 from service.settings import Settings, get_settings
 from service.sweeper import Sweeper
+from service.workers.router import router as workers_router
 
 log = logging.getLogger(__name__)
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
+    settings = app.state.settings
+    if settings.auth:
+        with app.state.sessionmaker() as db:
+            if tokens.bootstrap_admin(db, settings.data_dir):
+                log.warning("first start: an admin token was written to %s (mode 0600)",
+                            tokens.admin_token_path(settings.data_dir))
     sweeper = Sweeper(app.state.settings, app.state.sessionmaker, app.state.redis)
     thread = threading.Thread(target=sweeper.run, name="sweeper", daemon=True)
     thread.start()
@@ -34,6 +48,15 @@ async def lifespan(app: FastAPI):
     thread.join(timeout=5)
     app.state.redis.close()
     app.state.engine.dispose()
+
+
+def allowed_methods(app: FastAPI, path: str) -> str:
+    """Every method the documented routes accept on this path, for a 405's Allow header."""
+    methods: set[str] = set()
+    for template, item in app.openapi()["paths"].items():
+        if re.fullmatch(re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(template)), path):
+            methods |= {m.upper() for m in item}
+    return ", ".join(sorted(methods))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -47,15 +70,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(TrainjobsError)
     async def _trainjobs_error(_request: Request, exc: TrainjobsError) -> JSONResponse:
-        return JSONResponse(status_code=exc.status_code, content={"detail": exc.message, "field": exc.field})
+        return JSONResponse(status_code=exc.status_code, content={"detail": exc.message, "field": exc.field},
+                            headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette names only the first matching route's methods
+            headers["Allow"] = allowed_methods(app, request.url.path) or headers.get("Allow", "")
+        return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail}, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return JSONResponse(status_code=500, content={"detail": "internal error (a bug: please report it)"})
 
-    for router in (health_router, jobs_router, metrics_router, logs_router, artifacts_router, plan_router,
-                   events_router):
-        app.include_router(router)
+    app.include_router(health_router)  # /healthz and /readyz stay open
+    app.include_router(dashboard_router)  # the page is open: the /v1 calls it makes carry the token
+    # Every /v1 route needs a token, whether or not its own signature asks for the principal.
+    for router in (jobs_router, metrics_router, logs_router, artifacts_router, plan_router, events_router,
+                   auth_router, workers_router):
+        app.include_router(router, dependencies=[Depends(current_principal)], responses=responses(401, 422))
     install_prometheus(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # outermost: before anything reads a body
+    app.add_middleware(RefuseNul)
     return app

@@ -4,6 +4,7 @@ from service.auth.models import ApiToken, User
 from service.db import Base
 from service.jobs.models import Attempt, Job, JobEvent
 from service.logs.models import LogChunk
-from service.metrics.models import Metric
+from service.metrics.models import Metric, MetricBlock
+from service.workers.models import Worker
 
-__all__ = ["ApiToken", "Attempt", "Base", "Job", "JobEvent", "LogChunk", "Metric", "User"]
+__all__ = ["ApiToken", "Attempt", "Base", "Job", "JobEvent", "LogChunk", "Metric", "MetricBlock", "User", "Worker"]

@@ -2,6 +2,7 @@
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,7 +20,14 @@ class Settings(BaseSettings):
     allow_entrypoints: bool = False  # a worker runs users' own code only when told to
     redis_url: str = "redis://127.0.0.1:6379/0"
     api_url: str = "http://127.0.0.1:8000"
+    token: str | None = Field(None, repr=False, description="the CLI's API token (else data_dir/admin.token)")
     queue_prefix: str = "trainjobs"
+
+    # Who may call the API (service/auth/). Off only for one user on one machine: then it serves loopback only.
+    auth: bool = Field(True, description="bearer tokens on every /v1 route; TRAINJOBS_AUTH=off for loopback only")
+    max_body_bytes: int = Field(2**20, ge=1024, description="larger request bodies get a 413")
+    submit_rate_per_min: int = Field(60, ge=1, description="job submissions per token per minute, then 429")
+    quota_active_jobs: int = Field(100, ge=1, description="queued + running jobs per owner, then 429")
 
     # Supervision of a running job (worker side).
     poll_s: float = Field(0.5, gt=0, description="how often the supervisor ships logs/metrics and checks cancel")
@@ -33,6 +41,16 @@ class Settings(BaseSettings):
     reconcile_s: float = Field(30.0, gt=0)
     # ... and finds expired leases (lost workers) and retries whose backoff is over, this often.
     sweep_s: float = Field(2.0, gt=0)
+
+    # Many machines (service/workers/, worker/gang.py).
+    gang_timeout_s: float = Field(60.0, gt=0, description="a multi-node gang not formed by then goes back "
+                                  "to the queue and releases its workers")
+    aging_s: float = Field(600.0, gt=0, description="a job queued this long moves up one priority")
+    # What this worker offers, where detection is not what you want (`trainjobs worker --slots/--device/--label`).
+    worker_slots: int | None = Field(None, ge=1, description="default: GPUs (cuda), else CPU cores")
+    worker_device: Literal["cpu", "cuda"] | None = None  # default: cuda when nvidia-smi lists a GPU
+    worker_labels: str = ""  # k=v,k2=v2: what a job's resources.selector matches
+    worker_address: str | None = None  # how other nodes reach this one; default: the address that reaches Redis
 
     @property
     def resolved_database_url(self) -> str:
@@ -56,3 +74,12 @@ class Settings(BaseSettings):
 @lru_cache
 def get_settings() -> Settings:
     return Settings()
+
+
+def check_bind(settings: Settings, host: str) -> None:
+    """Auth off is for one user on one machine: refuse to serve it on anything but loopback."""
+    from service.auth.deps import is_loopback
+
+    if not settings.auth and not is_loopback(host):
+        raise SystemExit(f"TRAINJOBS_AUTH=off serves loopback only; refusing to listen on {host} "
+                         "(bind 127.0.0.1, or turn auth on and use tokens)")

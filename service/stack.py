@@ -14,7 +14,9 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from service import migrate
-from service.settings import Settings
+from service.auth import tokens
+from service.db import make_engine, make_sessionmaker
+from service.settings import Settings, check_bind
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,8 @@ class Stack:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.output = subprocess.DEVNULL if quiet else None
         self.api_url = f"http://{host}:{port}"
-        self.token: str | None = None  # the admin token, once auth lands (issue 5)
+        self.token: str | None = None  # the admin token (None with auth off)
+        self.new_admin_token: str | None = None  # made by this start (a first start): `up` prints it
 
     def client(self, timeout: float = 30) -> httpx.Client:
         """An HTTP client on this stack's API, carrying its admin token."""
@@ -73,17 +76,34 @@ class Stack:
         if not redis_reachable(self.settings.redis_url):
             self._start_redis()
         migrate.upgrade(self.settings.resolved_database_url)
+        check_bind(self.settings, self.host)
+        if self.settings.auth:
+            self.token = self._admin_token()
         python = sys.executable
         self._spawn("api", [python, "-m", "uvicorn", "service.app:app", "--host", self.host,
                             "--port", str(self.port), "--log-level", "warning"])
         self.add_workers(self.workers)
         self._wait_ready()
 
-    def add_workers(self, n: int) -> None:
-        """Start n more workers, on a stack that is starting or already running."""
+    def _admin_token(self) -> str | None:
+        """The admin token of data_dir/admin.token, made (and the file written) on a first start."""
+        engine = make_engine(self.settings.resolved_database_url)
+        try:
+            with make_sessionmaker(engine)() as db:
+                self.new_admin_token = tokens.bootstrap_admin(db, self.settings.data_dir)
+        finally:
+            engine.dispose()
+        path = tokens.admin_token_path(self.settings.data_dir)
+        return self.new_admin_token or (path.read_text().strip() if path.is_file() else None)
+
+    def add_workers(self, n: int, args: list[str] | None = None, env: dict[str, str] | None = None
+                    ) -> list[subprocess.Popen]:
+        """Start n more workers, on a stack that is starting or already running; `args` are `trainjobs worker`
+        flags (--slots 1 --label zone=a), `env` extra environment. Returns their processes."""
         first = sum(name.startswith("worker") for name, _ in self.procs)
         for i in range(first, first + n):
-            self._spawn(f"worker-{i}", [sys.executable, "-m", "worker.main"])
+            self._spawn(f"worker-{i}", [sys.executable, "-m", "worker.main", *(args or [])], env=env)
+        return [p for _, p in self.procs[-n:]] if n else []
 
     def _start_redis(self) -> None:
         url = urlparse(self.settings.redis_url)
@@ -99,8 +119,8 @@ class Stack:
                 raise RuntimeError(f"embedded Redis did not start at {self.settings.redis_url}")
             time.sleep(0.1)
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        proc = subprocess.Popen(argv, env=self.env(), stdout=self.output, stderr=self.output)
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        proc = subprocess.Popen(argv, env={**self.env(), **(env or {})}, stdout=self.output, stderr=self.output)
         self.procs.append((name, proc))
 
     def _wait_ready(self, timeout: float = 30) -> None:

@@ -71,9 +71,16 @@ def settings(db_url, tmp_path: Path) -> Settings:
                     queue_prefix=QUEUE_PREFIX, reconcile_s=3600)
 
 
+def admin_token(settings: Settings) -> str:
+    """The admin token the app wrote on its first start (tables are emptied per test: every app is a first)."""
+    return (settings.data_dir / "admin.token").read_text().strip()
+
+
 @pytest.fixture
 def client(settings, redis) -> TestClient:
+    """A TestClient on the app, carrying the admin token."""
     with TestClient(create_app(settings)) as c:
+        c.headers["Authorization"] = f"Bearer {admin_token(settings)}"
         yield c
 
 

@@ -6,7 +6,7 @@ from sqlalchemy import create_engine, func, select
 
 from service.jobs.models import Job, JobEvent
 from service.queue import JOB_FUNCTION
-from tests.conftest import QUEUE_PREFIX, mlp_spec
+from tests.conftest import QUEUE_PREFIX, admin_token, mlp_spec
 
 
 def queued_ids(redis, priority="normal") -> list[str]:
@@ -104,6 +104,7 @@ def test_job_is_accepted_even_when_redis_is_down_and_reconciled_later(settings, 
 
     down = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
     with TestClient(create_app(down)) as c:
+        c.headers["Authorization"] = f"Bearer {admin_token(down)}"
         r = c.post("/v1/jobs", json=mlp_spec())
         assert r.status_code == 201 and r.json()["status"] == "queued"
         assert c.get("/readyz").status_code == 503

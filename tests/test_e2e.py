@@ -30,7 +30,7 @@ def api(stack):
 def test_cli_submit_follow_runs_ddp_job_to_success_with_metrics_and_logs(stack, api, tmp_path):
     spec_file = tmp_path / "job.json"
     spec_file.write_text(__import__("json").dumps(mlp_spec(train={"max_steps": 60, "log_every": 5})))
-    env = dict(os.environ, TRAINJOBS_API_URL=stack.api_url)
+    env = dict(os.environ, TRAINJOBS_API_URL=stack.api_url, TRAINJOBS_TOKEN=stack.token)
     cli = subprocess.run([sys.executable, "-m", "service.cli", "submit", str(spec_file), "--follow"],
                          env=env, capture_output=True, text=True, timeout=180)
     assert cli.returncode == 0, cli.stdout + cli.stderr
@@ -111,7 +111,7 @@ def test_job_past_its_timeout_is_killed_and_failed(api):
 def test_cli_reports_a_bad_spec_naming_the_field(stack, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodel: {type: mlp}\ndata: {type: synthetic_regression, batch_size: 0}\n")
-    env = dict(os.environ, TRAINJOBS_API_URL=stack.api_url)
+    env = dict(os.environ, TRAINJOBS_API_URL=stack.api_url, TRAINJOBS_TOKEN=stack.token)
     cli = subprocess.run([sys.executable, "-m", "service.cli", "submit", str(bad)], env=env,
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2

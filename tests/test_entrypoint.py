@@ -1,6 +1,7 @@
 """Entrypoint mode: a user's own module or script under torchrun, its gate, its path checks, its reporter."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -159,9 +160,31 @@ def entry_stack(postgres_url, tmp_path_factory):
     scripts = tmp_path_factory.mktemp("scripts")
     for script in EXAMPLE_SCRIPTS.glob("*.py"):
         shutil.copy(script, scripts / script.name)
-    with live_stack(postgres_url, tmp_path_factory.mktemp("entry"), name="entry", allow_entrypoints=True,
-                    scripts_dir=scripts) as s:
-        yield s
+    (scripts / "print_env.py").write_text(
+        "import os\n"
+        "print('token', os.environ.get('TRAINJOBS_TEST_API_TOKEN'))\n"
+        "print('db', os.environ.get('TRAINJOBS_DATABASE_URL'), 'redis', os.environ.get('TRAINJOBS_REDIS_URL'))\n")
+    os.environ["TRAINJOBS_TEST_API_TOKEN"] = LEAKY  # in the workers' environment, as a cloud key would be
+    try:
+        with live_stack(postgres_url, tmp_path_factory.mktemp("entry"), name="entry", allow_entrypoints=True,
+                        scripts_dir=scripts) as s:
+            yield s
+    finally:
+        del os.environ["TRAINJOBS_TEST_API_TOKEN"]
+
+
+LEAKY = "sk-live-0123456789abcdef"
+
+
+def test_a_script_that_prints_the_workers_secrets_leaks_none_into_the_logs(entry_stack):
+    with entry_stack.client(timeout=10) as api:
+        spec = entry_spec(script="print_env.py")
+        spec["resources"]["nproc_per_node"] = 1
+        job = wait_terminal(api, api.post("/v1/jobs", json=spec).json()["id"])
+        logs = api.get(f"/v1/jobs/{job['id']}/logs").text
+    assert job["status"] == "succeeded", job["error"]
+    assert "token [redacted]" in logs and LEAKY not in logs
+    assert "db None redis None" in logs  # ranks never get the service's connection strings
 
 
 def test_plain_and_reported_torchrun_scripts_run_to_success_through_the_service(entry_stack):

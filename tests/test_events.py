@@ -14,7 +14,7 @@ from service.jobs import service as jobs
 from service.jobs.status import JobStatus
 from service.main import create_app
 from service.metrics import service as metrics
-from tests.conftest import mlp_spec
+from tests.conftest import admin_token, mlp_spec
 from tests.helpers import free_port, wait_for
 
 
@@ -27,7 +27,8 @@ def api(settings, redis):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, 10, what="uvicorn to start")
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+    headers = {"Authorization": f"Bearer {admin_token(settings)}"}
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=headers) as client:
         yield client
     server.should_exit = True
     thread.join(10)

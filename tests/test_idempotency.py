@@ -63,9 +63,9 @@ def test_keys_are_per_owner(client, settings):
             priority="normal", idempotency_key="shared", attempt=0, max_retries=0, created_at=utcnow()))
     engine.dispose()
     r = post(client, mlp_spec(), "shared")
-    assert r.status_code == 201 and r.json()["id"] != "0" * 20 and r.json()["owner"] == "default"
+    assert r.status_code == 201 and r.json()["id"] != "0" * 20 and r.json()["owner"] == "admin"
     assert sorted((row.owner, row.idempotency_key) for row in rows(settings.database_url)) == [
-        ("alice", "shared"), ("default", "shared")]
+        ("admin", "shared"), ("alice", "shared")]
 
 
 @pytest.mark.parametrize("key", ["", "k" * 129])
@@ -91,7 +91,7 @@ def pg(postgres_url, redis) -> str:
 
 def api_settings(tmp_path, url: str, **overrides) -> Settings:
     return Settings(data_dir=tmp_path / "data", database_url=url, redis_url=REDIS_URL,
-                    queue_prefix=f"{QUEUE_PREFIX}idem", **overrides)
+                    queue_prefix=f"{QUEUE_PREFIX}idem", **{"submit_rate_per_min": 10_000, **overrides})
 
 
 def test_concurrent_duplicates_make_exactly_one_job(pg, redis, tmp_path):

@@ -1,15 +1,19 @@
-"""The memory plan through the API (POST /v1/plan, auto jobs, GET shows the plan) and the workers' memory in Redis."""
+"""The memory plan through the API (POST /v1/plan, auto jobs, GET shows the plan) and the workers' memory (table)."""
 
 import json
 import os
 import stat
+from datetime import timedelta
 
 from sqlalchemy import create_engine, update
 
 from service import cli, workers_registry
 from service.client import Client
+from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs.models import Job
-from tests.conftest import QUEUE_PREFIX, mlp_spec
+from service.workers import service as workers
+from service.workers.models import Worker
+from tests.conftest import mlp_spec
 from tests.helpers import count_jobs
 from worker import inventory
 
@@ -102,32 +106,43 @@ def fake_nvidia_smi(folder, output: str) -> None:
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
 
 
-def test_worker_memory_round_trip_through_redis(redis, tmp_path, monkeypatch):
+def test_worker_memory_round_trip_through_the_workers_table(settings, tmp_path, monkeypatch):
     fake_nvidia_smi(tmp_path, "81559\\n40960\\n")
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    stop = inventory.start_publisher(redis, prefix=QUEUE_PREFIX, name="gpu-box-1", every_s=60)
+    engine = make_engine(settings.database_url)
+    sessions = make_sessionmaker(engine)
+    offer = inventory.probe(settings, name="gpu-box-1")
+    stop = inventory.start_heartbeat(sessions, offer=offer, every_s=60, draining=lambda: False)
     try:
-        workers = workers_registry.live_workers(redis, prefix=QUEUE_PREFIX)
-        assert len(workers) == 1 and workers[0].device == "cuda" and workers[0].gpu_count == 2
-        assert workers[0].gpu_memory_bytes == 40960 * 2**20 and workers[0].host_memory_bytes > 0
-        assert 0 < redis.ttl(workers_registry.worker_key(QUEUE_PREFIX, "gpu-box-1")) <= workers_registry.TTL_S
+        with sessions() as db:
+            found = workers_registry.live_workers(db, lost_after_s=settings.lease_s)
+        assert len(found) == 1 and found[0].device == "cuda" and found[0].gpu_count == 2
+        assert found[0].gpu_memory_bytes == 40960 * 2**20 and found[0].host_memory_bytes > 0
     finally:
         stop()
-    assert workers_registry.live_workers(redis, prefix=QUEUE_PREFIX) == []  # a clean stop leaves at once
+    with sessions() as db:
+        assert workers_registry.live_workers(db, lost_after_s=settings.lease_s) == []  # a clean stop leaves at once
+    engine.dispose()
 
 
-def test_a_machine_without_nvidia_smi_reports_no_gpu(tmp_path, monkeypatch):
+def test_a_machine_without_nvidia_smi_reports_no_gpu(settings, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert inventory.gpu_memory() == (0, None)
-    assert inventory.probe().device == "cpu"
+    offer = inventory.probe(settings, name="w")
+    assert offer.device == "cpu" and offer.slots == (os.cpu_count() or 1) and offer.memory_bytes > 0
 
 
-def test_the_plan_uses_the_smallest_live_workers_memory(client, redis):
-    for name, gib in (("a", 80), ("b", 24)):
-        memory = workers_registry.WorkerMemory(device="cuda", gpu_count=8, gpu_memory_bytes=gib * 2**30,
-                                               host_memory_bytes=2**40)
-        workers_registry.publish(redis, prefix=QUEUE_PREFIX, name=name, memory=memory)
-    redis.set(workers_registry.worker_key(QUEUE_PREFIX, "garbled"), b"not json", ex=45)
+def test_the_plan_uses_the_smallest_live_workers_memory(client, settings):
+    engine = make_engine(settings.database_url)
+    with make_sessionmaker(engine)() as db:
+        for name, gib in (("a", 80), ("b", 24), ("gone", 8)):
+            workers.register(db, worker_id=name, host=name, address="10.0.0.1", device="cuda", slots=8,
+                             memory_bytes=gib * 2**30, host_memory_bytes=2**40, labels={})
+        db.flush()
+        db.execute(update(Worker).where(Worker.id == "gone").values(
+            last_seen=utcnow() - timedelta(seconds=settings.lease_s + 1)))  # lost: not counted
+        db.commit()
+    engine.dispose()
     spec = big_gpt_spec(1)
     del spec["resources"]["gpu_memory_gb"]
     plan = client.post("/v1/plan", json=spec).json()

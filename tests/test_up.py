@@ -1,5 +1,6 @@
 """`trainjobs up`: the embedded default (SQLite, a Redis it starts itself) runs a job; SIGTERM stops it all."""
 
+import json
 import os
 import signal
 import socket
@@ -32,6 +33,15 @@ def test_up_on_sqlite_with_embedded_redis_runs_a_job_and_stops_everything(tmp_pa
         wait_for(ready, 60, what="trainjobs up to be ready")
         children = psutil.Process(up.pid).children(recursive=True)
         assert (tmp_path / "data" / "trainjobs.db").exists()
+        token_file = tmp_path / "data" / "admin.token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text().strip()
+        assert api.get("/v1/jobs").status_code == 401
+        api.headers["Authorization"] = f"Bearer {token}"
+        # The CLI finds the token in the data directory by itself.
+        listed = subprocess.run([sys.executable, "-m", "service.cli", "list", "--json"], capture_output=True,
+                                text=True, timeout=60, env=dict(env, TRAINJOBS_API_URL=f"http://127.0.0.1:{api_port}"))
+        assert listed.returncode == 0 and json.loads(listed.stdout)["items"] == [], listed.stdout + listed.stderr
         job = api.post("/v1/jobs", json=mlp_spec(resources={"nproc_per_node": 1},
                                                  train={"max_steps": 5, "log_every": 1})).json()
         assert wait_terminal(api, job["id"])["status"] == "succeeded"
@@ -41,7 +51,7 @@ def test_up_on_sqlite_with_embedded_redis_runs_a_job_and_stops_everything(tmp_pa
         if up.poll() is None:
             up.kill()
         output = up.stdout.read()
-    assert "Ctrl-C stops everything" in output
+    assert "Ctrl-C stops everything" in output and token in output  # printed once, on the first start
     gone = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert gone == [], output
     with socket.socket() as s:  # the embedded Redis is down with the rest

@@ -11,6 +11,7 @@ from pathlib import Path
 from service.errors import TrainjobsError
 from service.jobs.spec import JobSpec
 from service.storage import ARTIFACTS, CHECKPOINTS
+from worker.redact import rank_env
 
 SPEC_FILE = "spec.json"  # in the run dir: the resolved spec the ranks read
 RUN_TAG_ENV = "TRAINJOBS_RUN_TAG"  # every process of an attempt carries it: how cancel finds them all
@@ -32,8 +33,24 @@ class Launch:
     env: dict[str, str]
 
 
-def run_tag(job_id: str, attempt: int) -> str:
-    return f"{job_id}.{attempt}"
+@dataclass(frozen=True)
+class Gang:
+    """One node of a multi-node job: where the rendezvous is and who this node is."""
+
+    nnodes: int
+    node_rank: int
+    endpoint: str  # host:port on node 0, which hosts the c10d store
+    local_addr: str  # how the other nodes reach this one
+    join_timeout_s: float
+
+
+def run_tag(job_id: str, attempt: int, node_rank: int = 0) -> str:
+    """The tag of one node's processes of one attempt.
+
+    NOTE: per node, not per attempt: two nodes of a gang may run on one machine (tests, a big box), and
+    stopping one node must never find, by tag, the other node's processes.
+    """
+    return f"{job_id}.{attempt}" + (f".{node_rank}" if node_rank else "")
 
 
 def render(
@@ -50,12 +67,14 @@ def render(
     cpu_count: int,
     scripts_dir: Path | None = None,
     entry_script: Path | None = None,
+    gang: Gang | None = None,
 ) -> Launch:
     """The command line; for an entrypoint job, `entry_script` is resolve_script()'s answer (script mode)."""
     nproc = spec.resources.nproc_per_node
     argv = [
         python, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes", "1",
+        *(rendezvous_argv(gang, run_id=f"{job_id}-{attempt}") if gang else
+          ["--standalone", "--nnodes", "1"]),
         "--nproc-per-node", str(nproc),
         "--max-restarts", "0",  # retries are the service's decision, with a new attempt
         "--log-dir", str(run_dir / "torchelastic"),  # per-rank error files land here (@record)
@@ -63,7 +82,7 @@ def render(
     ]
     env = dict(base_env)
     env.update({
-        RUN_TAG_ENV: run_tag(job_id, attempt),
+        RUN_TAG_ENV: run_tag(job_id, attempt, gang.node_rank if gang else 0),
         "TRAINJOBS_JOB_ID": job_id,
         "TRAINJOBS_ATTEMPT": str(attempt),
         "TRAINJOBS_DATA_DIR": str(data_dir.resolve()),
@@ -81,6 +100,19 @@ def render(
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(scripts_dir), base_env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count // nproc)))
     return Launch(argv=argv, env=env)
+
+
+def rendezvous_argv(gang: Gang, *, run_id: str) -> list[str]:
+    """c10d dynamic rendezvous: node 0 hosts the store (is_host), and a node that never comes makes the others
+    fail after join_timeout with RendezvousTimeoutError instead of waiting forever (static rendezvous would).
+
+    NOTE: c10d numbers the nodes itself (sorted by address, then pid), so global rank 0 may run on any node:
+    every node ships its own metrics file, and the one that has rank 0 carries the metrics and the summary.
+    """
+    conf = f"is_host={int(gang.node_rank == 0)},join_timeout={max(1, int(gang.join_timeout_s))}"
+    return ["--nnodes", str(gang.nnodes), "--node-rank", str(gang.node_rank), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", gang.endpoint, "--rdzv-id", run_id, "--rdzv-conf", conf,
+            "--local-addr", gang.local_addr]
 
 
 def target_argv(spec: JobSpec, *, run_dir: Path, entry_script: Path | None) -> list[str]:
@@ -125,6 +157,6 @@ def resolve_script(scripts_dir: Path, script: str) -> Path:
 
 
 def default_env() -> dict[str, str]:
-    """The worker's environment, less what would confuse a nested torchrun."""
+    """The worker's environment, less what would confuse a nested torchrun and the service's own secrets."""
     drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
-    return {k: v for k, v in os.environ.items() if k not in drop}
+    return {k: v for k, v in rank_env(os.environ).items() if k not in drop}

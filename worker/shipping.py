@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from service.logs import service as logs
 from service.metrics import service as metrics
+from worker.redact import Redactor
 from worker.report import METRIC_NAME_MAX
 
 
@@ -43,32 +44,35 @@ class LogShipper:
     so a failed commit loses nothing: the next write() sends the same text again.
     """
 
-    def __init__(self, db: Session, *, job_id: str, attempt: int, max_bytes: int):
-        self.job_id, self.attempt, self.max_bytes = job_id, attempt, max_bytes
-        self.offset, self.seq = logs.log_size(db, job_id=job_id)
+    def __init__(self, db: Session, *, job_id: str, attempt: int, max_bytes: int, node_rank: int = 0):
+        self.job_id, self.attempt, self.max_bytes, self.node_rank = job_id, attempt, max_bytes, node_rank
+        self.offset, self.seq = logs.log_size(db, job_id=job_id, node_rank=node_rank)
         # Keeps a UTF-8 sequence split across two reads until its last byte arrives.
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.pending = ""
         self._written = 0
         self.truncated = False
         self.recent = ""  # the last few KiB, for error excerpts
+        self.redact = Redactor(os.environ)  # the worker's secrets, should a rank print them
 
     def stage(self, data: bytes, *, final: bool = False) -> None:
-        text = self._decoder.decode(data, final=final)
-        self.recent = (self.recent + text)[-8192:]
+        text = self.redact(self._decoder.decode(data, final=final))
+        self.recent = self.redact((self.recent + text)[-8192:])
         if not self.truncated:
             self.pending += text
 
     def write(self, db: Session) -> None:
         if not self.pending:
             return
+        # Again over the whole batch: a secret split across two reads is whole here.
+        self.pending = self.redact(self.pending)
         text, room = self.pending, self.max_bytes - self.offset
         self.truncated = len(text.encode()) > room
         if self.truncated:  # keep what fits, say so once, and store nothing after it
             text = text.encode()[: max(0, room)].decode(errors="ignore")
             text += f"\n[trainjobs] log truncated at {self.max_bytes} bytes\n"
         self._written = logs.append(db, job_id=self.job_id, attempt=self.attempt, start=self.offset,
-                                    seq=self.seq, text=text)
+                                    seq=self.seq, text=text, node_rank=self.node_rank)
 
     def committed(self) -> None:
         if self._written:

@@ -5,8 +5,9 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
 from service import storage
+from service.auth.deps import JobIdDep
 from service.deps import SessionDep, SettingsDep
-from service.errors import ArtifactNotFound
+from service.errors import ArtifactNotFound, responses
 from service.jobs import service as jobs
 
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
@@ -23,15 +24,15 @@ class ArtifactsPublic(BaseModel):
     count: int
 
 
-@router.get("/{job_id}/artifacts")
-def list_artifacts(job_id: str, db: SessionDep, settings: SettingsDep) -> ArtifactsPublic:
+@router.get("/{job_id}/artifacts", responses=responses(404))
+def list_artifacts(job_id: JobIdDep, db: SessionDep, settings: SettingsDep) -> ArtifactsPublic:
     jobs.get(db, job_id=job_id)
     files = storage.list_artifacts(settings, job_id)
     return ArtifactsPublic(data=[ArtifactPublic(**f) for f in files], count=len(files))
 
 
-@router.get("/{job_id}/artifacts/{name:path}", response_class=FileResponse)
-def download_artifact(job_id: str, name: str, db: SessionDep, settings: SettingsDep) -> FileResponse:
+@router.get("/{job_id}/artifacts/{name:path}", response_class=FileResponse, responses=responses(404))
+def download_artifact(job_id: JobIdDep, name: str, db: SessionDep, settings: SettingsDep) -> FileResponse:
     jobs.get(db, job_id=job_id)
     path = storage.artifact_path(settings, job_id, name)
     if not path.is_file():

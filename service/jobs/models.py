@@ -14,7 +14,7 @@ class Job(Base):
 
     # Time-ordered ids (ms timestamp + random): newest-first keyset pagination is ORDER BY id.
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    owner: Mapped[str] = mapped_column(String(128), default="default")
+    owner: Mapped[str] = mapped_column(String(128), default="admin")
     name: Mapped[str] = mapped_column(String(128))
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     spec_hash: Mapped[str] = mapped_column(String(64))  # of the spec as submitted: an idempotent retry's check
@@ -33,6 +33,7 @@ class Job(Base):
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # service/plan.py's Plan
+    pending_reason: Mapped[str | None] = mapped_column(Text)  # why no worker takes it (the sweeper says)
 
     __table_args__ = (UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),)
 
@@ -53,6 +54,7 @@ class Attempt(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     resumed_from_step: Mapped[int | None] = mapped_column(Integer)  # None: it started from step 0
+    endpoint: Mapped[str | None] = mapped_column(String(300))  # node 0 of a gang: its rendezvous host:port
 
     __table_args__ = (
         UniqueConstraint("job_id", "number", "node_rank", name="uq_attempts_job_number_node"),

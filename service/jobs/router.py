@@ -5,7 +5,10 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from redis.exceptions import RedisError
 
 from service import queue, workers_registry
+from service.auth.deps import JobIdDep, PrincipalDep
+from service.auth.limits import check_submission
 from service.deps import RedisDep, SessionDep, SettingsDep
+from service.errors import responses
 from service.etag import json_with_etag
 from service.jobs import service
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
@@ -17,20 +20,26 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=128)]
 
 
-@router.post("", status_code=201, response_model=JobPublic)
+REPLAYED = {200: {"model": JobPublic, "description": "a retry with the same Idempotency-Key: the first one's job"}}
+
+
+@router.post("", status_code=201, response_model=JobPublic, responses=REPLAYED | responses(400, 403, 409, 413, 429))
 def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDep, settings: SettingsDep,
-               idempotency_key: IdempotencyKey = None):
+               principal: PrincipalDep, idempotency_key: IdempotencyKey = None):
     """Store the job, commit, then enqueue: the row is the truth, the queue entry only a hint.
 
     A retry with the same Idempotency-Key and spec answers 200 with the job the first one made and enqueues
     nothing (were that job lost from Redis, the reconciler enqueues it).
     """
-    job = service.find_by_key(db, spec=spec, idempotency_key=idempotency_key) if idempotency_key else None
+    owner = principal.user
+    job = service.find_by_key(db, spec=spec, idempotency_key=idempotency_key, owner=owner) if idempotency_key else None
     created = False
     if job is None:
+        check_submission(db, redis, settings, principal, spec)
         service.check_inputs(spec, data_dir=settings.data_dir)
-        workers = workers_registry.workers_for(redis, prefix=settings.queue_prefix, spec=spec)
-        job, created = service.create_once(db, spec=spec, idempotency_key=idempotency_key, workers=workers)
+        workers = workers_registry.workers_for(db, spec=spec, lost_after_s=settings.lease_s)
+        job, created = service.create_once(db, spec=spec, idempotency_key=idempotency_key, owner=owner,
+                                           workers=workers)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if not created:
         response.status_code = 200
@@ -48,22 +57,25 @@ def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDe
 def list_jobs(
     request: Request,
     db: SessionDep,
+    principal: PrincipalDep,
     status: JobStatus | None = None,
+    owner: Annotated[str | None, Query(max_length=64, description="admins only; users see their own")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: Annotated[str | None, Query(max_length=64)] = None,
+    cursor: Annotated[str | None, Query(pattern=r"^[0-9a-f]{20}$", description="the last page's next_cursor")] = None,
 ):
-    jobs, next_cursor = service.list_jobs(db, status=status, limit=limit, cursor=cursor)
+    owner = owner if principal.is_admin else principal.user
+    jobs, next_cursor = service.list_jobs(db, status=status, limit=limit, cursor=cursor, owner=owner)
     return json_with_etag(request, JobsPublic(items=[JobPublic.of(j) for j in jobs], next_cursor=next_cursor))
 
 
-@router.get("/{job_id}", response_model=JobPublic)
-def read_job(job_id: str, request: Request, db: SessionDep):
+@router.get("/{job_id}", response_model=JobPublic, responses=responses(404))
+def read_job(job_id: JobIdDep, request: Request, db: SessionDep):
     """With an ETag: an If-None-Match that names the current one gets a 304 and no body."""
     return json_with_etag(request, JobPublic.of(service.get(db, job_id=job_id)))
 
 
-@router.post("/{job_id}/cancel", response_model=JobPublic)
-def cancel_job(job_id: str, db: SessionDep, redis: RedisDep, settings: SettingsDep):
+@router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404, 409))
+def cancel_job(job_id: JobIdDep, db: SessionDep, redis: RedisDep, settings: SettingsDep):
     """A queued job is cancelled at once; a running one once its supervisor has killed every process."""
     job, was_queued = service.request_cancel(db, job_id=job_id)
     if was_queued:
@@ -74,8 +86,8 @@ def cancel_job(job_id: str, db: SessionDep, redis: RedisDep, settings: SettingsD
     return JobPublic.of(job)
 
 
-@router.get("/{job_id}/attempts", response_model=AttemptsPublic)
-def list_attempts(job_id: str, db: SessionDep):
+@router.get("/{job_id}/attempts", response_model=AttemptsPublic, responses=responses(404))
+def list_attempts(job_id: JobIdDep, db: SessionDep):
     """Every attempt of the job, oldest first: where it ran, how it ended, where it resumed from."""
     attempts = service.attempts_of(db, job_id=job_id)
     return AttemptsPublic(data=[AttemptPublic.model_validate(a) for a in attempts], count=len(attempts))

@@ -41,6 +41,7 @@ class JobPublic(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     cancel_requested_at: datetime | None
+    pending_reason: str | None = None  # while queued: why no worker has taken it (no live worker fits, all busy)
 
     @classmethod
     def of(cls, job: Job) -> "JobPublic":
@@ -53,6 +54,7 @@ class JobPublic(BaseModel):
             plan=job.plan, memory=memory_check(job),
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
             cancel_requested_at=job.cancel_requested_at,
+            pending_reason=job.pending_reason if job.status == "queued" else None,
         )
 
 

@@ -21,7 +21,7 @@ from service.jobs.status import ALLOWED_FROM, JobStatus
 from service.workers_registry import WorkerMemory
 
 JOB_ID_LEN = 20
-DEFAULT_OWNER = "default"  # every job's owner until API tokens land
+DEFAULT_OWNER = "admin"  # the owner of jobs made without a principal (tests, TRAINJOBS_AUTH=off)
 
 
 def new_job_id() -> str:
@@ -126,7 +126,8 @@ def get(db: Session, *, job_id: str) -> Job:
 
 
 def list_jobs(
-    db: Session, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None
+    db: Session, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None,
+    owner: str | None = None,
 ) -> tuple[list[Job], str | None]:
     """Newest first; the cursor is the id of the last job of the previous page."""
     if cursor is not None and not is_job_id(cursor):
@@ -134,6 +135,8 @@ def list_jobs(
     query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
     if status is not None:
         query = query.where(Job.status == status)
+    if owner is not None:
+        query = query.where(Job.owner == owner)
     if cursor is not None:
         query = query.where(Job.id < cursor)
     jobs = list(db.scalars(query))

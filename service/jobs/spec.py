@@ -2,9 +2,11 @@
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\- ]*$")]
+Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:=/\-]*$")]
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
 class _Strict(BaseModel):
@@ -18,13 +20,8 @@ class Resources(_Strict):
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     gpu_memory_gb: float | None = Field(
         None, gt=0, le=10_000, description="memory per device for the plan; default: what live workers report")
-
-    @field_validator("nnodes")
-    @classmethod
-    def _single_node(cls, value: int) -> int:
-        if value > 1:
-            raise ValueError("multi-node jobs (nnodes > 1) are not available yet; use nnodes 1")
-        return value
+    selector: dict[Annotated[str, Field(min_length=1, max_length=64)], Annotated[str, Field(max_length=256)]] = Field(
+        default_factory=dict, max_length=32, description="worker labels every node must carry (--label k=v)")
 
 
 class MLPConfig(_Strict):
@@ -61,7 +58,7 @@ class SyntheticRegression(_Strict):
     input_dim: int = Field(16, ge=1, le=65536)
     output_dim: int = Field(1, ge=1, le=65536)
     noise: float = Field(0.01, ge=0, le=100)
-    seed: int = Field(0, ge=0)
+    seed: Seed = 0
 
 
 class SyntheticClassification(_Strict):
@@ -70,7 +67,7 @@ class SyntheticClassification(_Strict):
     batch_size: BatchSize = 32
     input_dim: int = Field(16, ge=1, le=65536)
     num_classes: int = Field(4, ge=2, le=100_000)
-    seed: int = Field(0, ge=0)
+    seed: Seed = 0
 
 
 class SyntheticLM(_Strict):
@@ -80,7 +77,7 @@ class SyntheticLM(_Strict):
     num_samples: NumSamples = 4096
     batch_size: BatchSize = 16
     branching: int = Field(2, ge=1, le=64, description="likely successors per token")
-    seed: int = Field(0, ge=0)
+    seed: Seed = 0
 
 
 class TextData(_Strict):
@@ -105,7 +102,7 @@ class OptimizerConfig(_Strict):
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0, le=10_000_000)
-    grad_clip: float | None = Field(None, gt=0)
+    grad_clip: float | None = Field(None, gt=0, le=1e6)
 
 
 class FSDPConfig(_Strict):
@@ -133,10 +130,10 @@ class TrainConfig(_Strict):
 class FaultInjection(_Strict):
     """Make one rank raise at a step: to test failure handling, alerting and retries."""
 
-    raise_at_step: int = Field(ge=0)
-    rank: int = Field(0, ge=0)
+    raise_at_step: int = Field(ge=0, le=100_000_000)
+    rank: int = Field(0, ge=0, le=65_535)
     message: str = Field("injected fault", max_length=500)
-    attempt: int | None = Field(1, ge=1, description="only on this attempt (null: on every attempt)")
+    attempt: int | None = Field(1, ge=1, le=11, description="only on this attempt (null: on every attempt)")
 
 
 class Entrypoint(_Strict):
@@ -162,6 +159,7 @@ class JobSpec(_Strict):
     """A training job as the user submits it."""
 
     name: Name = "job"
+    tags: list[Tag] = Field(default_factory=list, max_length=32, description="free labels, e.g. team=vision")
     strategy: Literal["ddp", "fsdp", "auto"] = Field(
         "ddp", description="auto: DDP or FSDP from the memory plan (service/plan.py), stored as the choice")
     resources: Resources = Field(default_factory=Resources)

@@ -18,6 +18,7 @@ class JobStatus(StrEnum):
 
 
 TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+ACTIVE = frozenset(JobStatus) - TERMINAL  # what counts against an owner's quota
 
 # to-state -> the states it may be reached from (the WHERE of every compare-and-set).
 ALLOWED_FROM: dict[JobStatus, frozenset[JobStatus]] = {

@@ -1,0 +1,81 @@
+"""`trainjobs token create|list|revoke`: tokens through the API (an admin token makes them)."""
+
+import argparse
+import json
+import re
+
+from rich.console import Console
+from rich.table import Table
+
+from service.client import Client
+
+err = Console(stderr=True)
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> int:
+    """'30d', '12h', '90m', '3600s' or plain seconds."""
+    match = re.fullmatch(r"\s*(\d+)\s*([smhdw]?)\s*", text)
+    if not match or int(match[1]) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30d, 12h, 90m or 3600")
+    return int(match[1]) * UNITS[match[2] or "s"]
+
+
+def cmd_create(args, client: Client) -> int:
+    fields = {"role": "admin" if args.admin else "user", "user": args.user, "expires_in_s": args.expires}
+    if args.entrypoints is not None:
+        fields["can_run_entrypoints"] = args.entrypoints
+    made = client.create_token(args.name, **{k: v for k, v in fields.items() if v is not None})
+    secret = made.pop("token")
+    if args.json:
+        print(json.dumps({**made, "token": secret}, indent=2))
+        return 0
+    print(secret)  # alone on stdout: TOKEN=$(trainjobs token create ci)
+    expiry = f", expires {made['expires_at']}" if made["expires_at"] else ""
+    err.print(f"token {made['id']} ({made['name']}) for user {made['user']}, role {made['role']}{expiry}. "
+              "It is shown only now; the service keeps only its hash.")
+    return 0
+
+
+def cmd_list(args, client: Client) -> int:
+    page = client.tokens()
+    if args.json:
+        print(json.dumps(page, indent=2))
+        return 0
+    table = Table("id", "name", "user", "role", "created", "last used", "expires", "revoked")
+    for t in page["data"]:
+        table.add_row(t["id"], t["name"], t["user"], t["role"], t["created_at"], t["last_used_at"] or "",
+                      t["expires_at"] or "", t["revoked_at"] or "")
+    Console().print(table)
+    return 0
+
+
+def cmd_revoke(args, client: Client) -> int:
+    row = client.revoke_token(args.token_id)
+    if args.json:
+        print(json.dumps(row, indent=2))
+    else:
+        err.print(f"token {row['id']} ({row['name']}) revoked at {row['revoked_at']}")
+    return 0
+
+
+def register(sub) -> None:
+    token = sub.add_parser("token", help="API tokens: create (admins), list, revoke")
+    verbs = token.add_subparsers(dest="verb", required=True)
+    create = verbs.add_parser("create", help="a new token; prints it alone on stdout")
+    create.add_argument("name")
+    create.add_argument("--user", help="whose jobs it makes and sees (default: NAME)")
+    create.add_argument("--admin", action="store_true", help="role admin: sees and manages everything")
+    create.add_argument("--expires", type=parse_duration, metavar="DURATION", help="e.g. 30d, 12h; default never")
+    create.add_argument("--entrypoints", action=argparse.BooleanOptionalAction, default=None,
+                        help="grant (or --no-entrypoints withdraw) the user's right to run their own scripts")
+    create.set_defaults(remote=cmd_create)
+    ls = verbs.add_parser("list", help="tokens (admins: all; users: their own); never the secrets")
+    ls.set_defaults(remote=cmd_list)
+    revoke = verbs.add_parser("revoke", help="revoke a token by its id")
+    revoke.add_argument("token_id")
+    revoke.set_defaults(remote=cmd_revoke)
+    for p in (create, ls, revoke):
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+

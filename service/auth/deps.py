@@ -1,0 +1,72 @@
+"""The caller of every /v1 route: a bearer token's principal, and the jobs that principal may see."""
+
+import ipaddress
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy import select
+
+from service.auth.tokens import ADMIN_USER, Principal, authenticate
+from service.errors import Forbidden, JobNotFound, TrainjobsError
+from service.jobs.models import Job
+
+# With TRAINJOBS_AUTH=off (one user on one machine, loopback only) everyone is this principal.
+LOCAL_ADMIN = Principal(user=ADMIN_USER, role="admin", token_id=None, can_run_entrypoints=True)
+
+
+class Unauthorized(TrainjobsError):
+    status_code = 401
+    headers = {"WWW-Authenticate": "Bearer"}
+
+    def __init__(self, message: str):
+        super().__init__(message, field="Authorization")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def current_principal(request: Request) -> Principal:
+    settings = request.app.state.settings
+    if not settings.auth:
+        server = request.scope.get("server")
+        if server and not is_loopback(server[0]):  # the CLI refuses to bind elsewhere; this is the backstop
+            raise Unauthorized("auth is off, which serves loopback only")
+        return LOCAL_ADMIN
+    scheme, _, secret = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise Unauthorized("missing bearer token: send Authorization: Bearer <token>")
+    with request.app.state.sessionmaker() as db:  # its own short session (see owned_job_id)
+        principal = authenticate(db, secret.strip())
+    if principal is None:
+        raise Unauthorized("invalid, revoked or expired token")
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(current_principal)]
+
+
+def admin_only(principal: PrincipalDep) -> Principal:
+    if not principal.is_admin:
+        raise Forbidden("this needs an admin token", field="Authorization")
+    return principal
+
+
+AdminDep = Annotated[Principal, Depends(admin_only)]
+
+
+def owned_job_id(job_id: str, principal: PrincipalDep, request: Request) -> str:
+    """The path's job id if the caller may see that job; someone else's job is a 404, as if it did not exist."""
+    with request.app.state.sessionmaker() as db:  # short: an SSE stream must not hold a transaction open
+        owner = db.scalar(select(Job.owner).where(Job.id == job_id)) if len(job_id) <= 64 else None
+    if owner is None or not (principal.is_admin or owner == principal.user):
+        raise JobNotFound(job_id)
+    return job_id
+
+
+JobIdDep = Annotated[str, Depends(owned_job_id)]

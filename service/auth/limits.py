@@ -1,0 +1,136 @@
+"""API4 (unrestricted resource consumption): a per-token submission rate, a per-owner quota, a body cap."""
+
+import logging
+import math
+import time
+import uuid
+
+from redis import Redis
+from redis.exceptions import RedisError
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.auth.tokens import Principal
+from service.errors import Forbidden, TrainjobsError
+from service.jobs.models import Job
+from service.jobs.spec import JobSpec
+from service.jobs.status import ACTIVE
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+WINDOW_S = 60.0
+
+
+class TooManyRequests(TrainjobsError):
+    status_code = 429
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, field: str | None = None):
+        super().__init__(message, field=field)
+        if retry_after_s is not None:
+            self.headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+
+
+def check_submission(db: Session, redis: Redis, settings: Settings, principal: Principal, spec: JobSpec) -> None:
+    """Before a new job is stored: the caller's rights, rate and quota (in that order: cheapest refusal first)."""
+    if spec.entrypoint is not None and not principal.can_run_entrypoints:
+        raise Forbidden(f"user {principal.user!r} may not run their own code (can_run_entrypoints is off)",
+                        field="entrypoint")
+    if principal.token_id is not None:
+        wait = take_rate_slot(redis, f"{settings.queue_prefix}:rate:{principal.token_id}",
+                              settings.submit_rate_per_min)
+        if wait is not None:
+            raise TooManyRequests(f"more than {settings.submit_rate_per_min} submissions a minute with this token",
+                                  retry_after_s=wait)
+    active = db.scalar(select(func.count()).select_from(Job).where(Job.owner == principal.user,
+                                                                   Job.status.in_(ACTIVE)))
+    if active >= settings.quota_active_jobs:
+        raise TooManyRequests(f"quota: {principal.user!r} has {active} queued or running jobs (limit "
+                              f"{settings.quota_active_jobs}); wait for some to finish or cancel some",
+                              retry_after_s=WINDOW_S, field="quota")
+
+
+def take_rate_slot(redis: Redis, key: str, per_minute: int) -> float | None:
+    """A sliding-window log in a sorted set: None if this request may go, else seconds until a slot frees.
+
+    Shared by every API process through Redis. If Redis is down the submission goes ahead: the database is
+    the truth and the quota still holds; a lost rate limit is the smaller harm than refusing all work.
+    """
+    now = time.time()
+    try:
+        pipe = redis.pipeline()
+        pipe.zremrangebyscore(key, 0, now - WINDOW_S)
+        pipe.zcard(key)
+        pipe.zrange(key, 0, 0, withscores=True)
+        _, count, oldest = pipe.execute()
+        if count >= per_minute:
+            return max(0.0, oldest[0][1] + WINDOW_S - now) if oldest else WINDOW_S
+        pipe = redis.pipeline()
+        pipe.zadd(key, {uuid.uuid4().hex: now})
+        pipe.expire(key, int(WINDOW_S) + 1)
+        pipe.execute()
+    except RedisError:
+        log.warning("rate limit unavailable (Redis); letting the submission through")
+    return None
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over max_bytes gets a 413, whether or not it declared its length."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await self._too_large(send)
+        seen, answered = 0, False
+
+        async def limited_receive() -> Message:
+            # Past the limit: answer 413 now, and tell the app the client went away (an exception here
+            # would be turned into a 400 by the body parser).
+            nonlocal seen, answered
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes and not answered:
+                    answered = True
+                    await self._too_large(send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if not answered:  # once the 413 is out, whatever the app still says is dropped
+                await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not answered:
+                raise
+
+    async def _too_large(self, send: Send) -> None:
+        body = (f'{{"detail":"request body larger than {self.max_bytes} bytes","field":"body"}}').encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class RefuseNul:
+    """ASGI middleware: a NUL byte in the path or query is a 422 (PostgreSQL text cannot hold one)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            raw = scope.get("raw_path", b"") + b"?" + scope.get("query_string", b"")
+            if b"%00" in raw or b"\x00" in raw or "\x00" in scope.get("path", ""):
+                body = b'{"detail":"NUL bytes are not allowed in the path or query","field":"query"}'
+                await send({"type": "http.response.start", "status": 422, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)

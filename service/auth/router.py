@@ -1,0 +1,81 @@
+"""/v1/tokens (admins make tokens; anyone lists and revokes their own) and /v1/me."""
+
+from datetime import datetime, timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Path
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from service.auth import tokens
+from service.auth.deps import AdminDep, PrincipalDep
+from service.db import utcnow
+from service.deps import SessionDep
+from service.errors import responses
+
+router = APIRouter(prefix="/v1", tags=["auth"])
+UserName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]*$")]
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: UserName = Field(description="the token's name; also its user when `user` is not given")
+    user: UserName | None = Field(None, description="the owner of the jobs made with it; default: the name")
+    role: tokens.Role = "user"
+    expires_in_s: Annotated[int | None, Field(gt=0, le=10 * 365 * 86400)] = None
+    can_run_entrypoints: StrictBool | None = Field(
+        None, description="grant (true) or withdraw (false) the user's right to run their own code; unset: unchanged")
+
+
+class TokenPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    user: str
+    role: str
+    created_at: datetime
+    last_used_at: datetime | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenPublic):
+    token: str = Field(description="the secret: shown this once, stored only as a hash")
+
+
+class TokensPublic(BaseModel):
+    data: list[TokenPublic]
+    count: int
+
+
+class Me(BaseModel):
+    user: str
+    role: str
+    token_id: str | None
+    can_run_entrypoints: bool
+
+
+@router.post("/tokens", status_code=201, response_model=TokenCreated, responses=responses(400, 403, 413))
+def create_token(body: TokenCreate, db: SessionDep, _admin: AdminDep) -> TokenCreated:
+    expires_at = utcnow() + timedelta(seconds=body.expires_in_s) if body.expires_in_s else None
+    row, secret = tokens.create(db, name=body.name, user=body.user or body.name, role=body.role,
+                                expires_at=expires_at, can_run_entrypoints=body.can_run_entrypoints)
+    return TokenCreated(**TokenPublic.model_validate(row).model_dump(), token=secret)
+
+
+@router.get("/tokens", response_model=TokensPublic)
+def list_tokens(db: SessionDep, principal: PrincipalDep) -> TokensPublic:
+    rows = tokens.visible(db, principal)
+    return TokensPublic(data=[TokenPublic.model_validate(r) for r in rows], count=len(rows))
+
+
+@router.delete("/tokens/{token_id}", response_model=TokenPublic, responses=responses(404))
+def revoke_token(token_id: Annotated[str, Path(max_length=32)], db: SessionDep, principal: PrincipalDep):
+    return TokenPublic.model_validate(tokens.revoke(db, token_id=token_id, principal=principal))
+
+
+@router.get("/me", response_model=Me)
+def whoami(principal: PrincipalDep) -> Me:
+    return Me(user=principal.user, role=principal.role, token_id=principal.token_id,
+              can_run_entrypoints=principal.can_run_entrypoints)

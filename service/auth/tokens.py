@@ -1,0 +1,138 @@
+"""API tokens: 256 random bits shown once, stored as a SHA-256, found by hash, checked in constant time."""
+
+import hashlib
+import hmac
+import os
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Literal
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.auth.models import ApiToken, User
+from service.db import utcnow
+from service.errors import InvalidRequest, TrainjobsError
+
+PREFIX = "tj_"  # recognisable in a leaked config file or a secret scanner
+ADMIN_USER = "admin"
+Role = Literal["admin", "user"]
+ROLES = ("admin", "user")
+TOUCH_EVERY = timedelta(seconds=60)  # last_used_at is written at most this often per token
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a job's owner, their role, their rights."""
+
+    user: str
+    role: str
+    token_id: str | None
+    can_run_entrypoints: bool
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+class TokenNotFound(TrainjobsError):
+    status_code = 404
+
+    def __init__(self, token_id: str):
+        super().__init__(f"token {token_id!r} not found", field="token_id")
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def create(db: Session, *, name: str, user: str, role: str = "user", expires_at: datetime | None = None,
+           can_run_entrypoints: bool | None = None) -> tuple[ApiToken, str]:
+    """A new token for `user` (created if new); returns the row and the secret, which is never stored."""
+    if role not in ROLES:
+        raise InvalidRequest(f"role must be one of {', '.join(ROLES)}", field="role")
+    if expires_at is not None and expires_at <= utcnow():
+        raise InvalidRequest("expiry is in the past", field="expires_in_s")
+    owner = db.get(User, user)
+    if owner is None:
+        owner = User(name=user, can_run_entrypoints=bool(can_run_entrypoints), created_at=utcnow())
+        db.add(owner)
+        db.flush()  # the token's foreign key needs the user's row first
+    elif can_run_entrypoints is not None:
+        owner.can_run_entrypoints = can_run_entrypoints
+    secret = PREFIX + secrets.token_urlsafe(32)
+    row = ApiToken(id=f"tok_{secrets.token_hex(8)}", user=user, name=name, role=role,
+                   token_hash=hash_secret(secret), created_at=utcnow(), expires_at=expires_at)
+    db.add(row)
+    db.commit()
+    return row, secret
+
+
+def authenticate(db: Session, secret: str) -> Principal | None:
+    """The principal of a live token, or None for an unknown, revoked or expired one."""
+    if not secret.startswith(PREFIX) or len(secret) > 128:
+        return None
+    digest = hash_secret(secret)
+    row = db.scalar(select(ApiToken).where(ApiToken.token_hash == digest))
+    # The lookup is by hash (no timing signal about the secret); compare again in constant time all the same.
+    if row is None or not hmac.compare_digest(row.token_hash, digest):
+        return None
+    now = utcnow()
+    if row.revoked_at is not None or (row.expires_at is not None and row.expires_at <= now):
+        return None
+    if row.last_used_at is None or now - row.last_used_at > TOUCH_EVERY:
+        db.execute(update(ApiToken).where(ApiToken.id == row.id).values(last_used_at=now))
+        db.commit()
+    owner = db.get(User, row.user)
+    return Principal(user=row.user, role=row.role, token_id=row.id,
+                     can_run_entrypoints=row.role == "admin" or bool(owner and owner.can_run_entrypoints))
+
+
+def visible(db: Session, principal: Principal) -> list[ApiToken]:
+    query = select(ApiToken).order_by(ApiToken.created_at)
+    if not principal.is_admin:
+        query = query.where(ApiToken.user == principal.user)
+    return list(db.scalars(query))
+
+
+def revoke(db: Session, *, token_id: str, principal: Principal) -> ApiToken:
+    """Admins revoke any token, users their own; someone else's is a 404 like an unknown one."""
+    row = db.get(ApiToken, token_id)
+    if row is None or not (principal.is_admin or row.user == principal.user):
+        raise TokenNotFound(token_id)
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+        db.commit()
+    return row
+
+
+def has_live_admin(db: Session) -> bool:
+    now = utcnow()
+    return db.scalar(select(ApiToken.id).where(
+        ApiToken.role == "admin", ApiToken.revoked_at.is_(None),
+        (ApiToken.expires_at.is_(None)) | (ApiToken.expires_at > now)).limit(1)) is not None
+
+
+def bootstrap_admin(db: Session, data_dir: Path) -> str | None:
+    """On a first start (no live admin token): create one, write it to data_dir/admin.token (0600), return it.
+
+    A token file left from an older database whose token no longer works is replaced.
+    """
+    path = admin_token_path(data_dir)
+    if has_live_admin(db):
+        if path.exists() and authenticate(db, path.read_text().strip()) is None:
+            path.unlink()  # stale: from a database since reset
+        return None
+    _, secret = create(db, name="bootstrap", user=ADMIN_USER, role="admin")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    os.chmod(path, 0o600)  # also when the file existed with a wider mode
+    return secret
+
+
+def admin_token_path(data_dir: Path) -> Path:
+    return data_dir / "admin.token"
