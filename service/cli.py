@@ -137,7 +137,7 @@ def cmd_demo(args, settings: Settings) -> int:
         port = s.getsockname()[1]
     console.print(f"starting the stack (SQLite in {settings.data_dir}, Redis at {settings.redis_url}) ...")
     with Stack(settings, port=port, workers=1, quiet=True) as stack:
-        client = Client(stack.api_url)
+        client = Client(stack.api_url, token=stack.token)
         job = client.submit(load_spec(args.file))
         console.print(f"submitted {job['id']}: {job['spec']['strategy']} on "
                       f"{job['spec']['resources']['nproc_per_node']} processes")

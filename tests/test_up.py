@@ -89,3 +89,18 @@ def test_up_on_a_taken_port_fails_cleanly_and_leaves_nothing_running(tmp_path):
         assert up.wait(timeout=60) == 2
     assert "api exited" in up.stdout.read()
     assert [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_demo_runs_its_job_with_the_token_of_its_own_first_start(tmp_path):
+    """`make demo`: a stack with auth on, the example job through the API, the summary, exit 0."""
+    from tests.conftest import REDIS_URL
+
+    env = dict(os.environ, TRAINJOBS_DATA_DIR=str(tmp_path / "data"), TRAINJOBS_REDIS_URL=REDIS_URL,
+               TRAINJOBS_QUEUE_PREFIX=f"demo{os.getpid()}")
+    env.pop("TRAINJOBS_DATABASE_URL", None)
+    env.pop("TRAINJOBS_TOKEN", None)
+    out = subprocess.run([sys.executable, "-m", "service.cli", "demo", "examples/ddp-mlp.json"], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "succeeded" in out.stdout and "final_loss" in out.stdout
+    assert (tmp_path / "data" / "admin.token").stat().st_mode & 0o777 == 0o600
