@@ -116,7 +116,5 @@ def stream_events(job_id: JobIdDep, request: Request, last_event_id: LastEventId
     """Events `status` (on connect and on change), `progress` (on change), `logs` ({"next_offset"}: the log's
     size, on change), `metrics` (new points); ends after a terminal status. Reconnect with Last-Event-ID to
     resume the metric points where the stream left off."""
-    cursor = parse_cursor(last_event_id)
-    with request.app.state.sessionmaker() as db:
-        jobs.get(db, job_id=job_id)  # 404 before the stream starts
+    cursor = parse_cursor(last_event_id)  # JobIdDep answered an unknown or foreign job's 404 already
     return EventSourceResponse(job_events(request, job_id, cursor))

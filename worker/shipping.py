@@ -56,7 +56,7 @@ class LogShipper:
         self.redact = Redactor(os.environ)  # the worker's secrets, should a rank print them
 
     def stage(self, data: bytes, *, final: bool = False) -> None:
-        text = self.redact(self._decoder.decode(data, final=final))
+        text = self._decoder.decode(data, final=final)
         self.recent = self.redact((self.recent + text)[-8192:])
         if not self.truncated:
             self.pending += text
@@ -64,7 +64,7 @@ class LogShipper:
     def write(self, db: Session) -> None:
         if not self.pending:
             return
-        # Again over the whole batch: a secret split across two reads is whole here.
+        # Over the whole batch, so a secret split across two reads is whole here.
         self.pending = self.redact(self.pending)
         text, room = self.pending, self.max_bytes - self.offset
         self.truncated = len(text.encode()) > room

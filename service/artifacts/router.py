@@ -6,9 +6,8 @@ from pydantic import BaseModel
 
 from service import storage
 from service.auth.deps import JobIdDep
-from service.deps import SessionDep, SettingsDep
+from service.deps import SettingsDep
 from service.errors import ArtifactNotFound, responses
-from service.jobs import service as jobs
 
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 
@@ -25,15 +24,13 @@ class ArtifactsPublic(BaseModel):
 
 
 @router.get("/{job_id}/artifacts", responses=responses(404))
-def list_artifacts(job_id: JobIdDep, db: SessionDep, settings: SettingsDep) -> ArtifactsPublic:
-    jobs.get(db, job_id=job_id)
+def list_artifacts(job_id: JobIdDep, settings: SettingsDep) -> ArtifactsPublic:
     files = storage.list_artifacts(settings, job_id)
     return ArtifactsPublic(data=[ArtifactPublic(**f) for f in files], count=len(files))
 
 
 @router.get("/{job_id}/artifacts/{name:path}", response_class=FileResponse, responses=responses(404))
-def download_artifact(job_id: JobIdDep, name: str, db: SessionDep, settings: SettingsDep) -> FileResponse:
-    jobs.get(db, job_id=job_id)
+def download_artifact(job_id: JobIdDep, name: str, settings: SettingsDep) -> FileResponse:
     path = storage.artifact_path(settings, job_id, name)
     if not path.is_file():
         raise ArtifactNotFound(f"job {job_id} has no artifact {name!r}", field="name")

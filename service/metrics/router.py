@@ -6,7 +6,6 @@ from pydantic import BaseModel
 from service.auth.deps import JobIdDep
 from service.deps import SessionDep
 from service.errors import responses
-from service.jobs import service as jobs
 from service.metrics import service
 
 
@@ -32,7 +31,6 @@ def read_metrics(
     max_points: Annotated[int | None, Query(ge=1, le=100_000)] = None,
 ) -> MetricsPublic:
     """Every series of the job; with max_points, each thinned to at most that many points (min/max per bucket)."""
-    jobs.get(db, job_id=job_id)
     if max_points is not None:
         return MetricsPublic(series=service.read_thinned(db, job_id=job_id, max_points=max_points, name=name,
                                                          after_step=after_step))
