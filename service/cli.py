@@ -76,16 +76,25 @@ def cmd_list(args, client: Client) -> int:
     return 0
 
 
+def cmd_workers(args, client: Client) -> int:
+    page = client.workers()
+    if args.json:
+        return print_json(page)
+    console.print(tables.workers_table(page))
+    return 0
+
+
 def cmd_logs(args, client: Client) -> int:
     """The output so far; with --follow, as it grows until the job ends. --json: one {"text"} object per line
     (JSON lines), or without --follow one object with the offset to resume from and the job's status."""
     if not args.follow:
-        text, next_offset, status = client.logs(args.job_id)
+        text, next_offset, status = client.logs(args.job_id, node_rank=args.node)
         if args.json:
-            return print_json({"job_id": args.job_id, "text": text, "next_offset": next_offset, "status": status})
+            return print_json({"job_id": args.job_id, "node_rank": args.node, "text": text,
+                               "next_offset": next_offset, "status": status})
         sys.stdout.write(text)
         return 0
-    for text in client.follow_logs(args.job_id):
+    for text in client.follow_logs(args.job_id, node_rank=args.node):
         sys.stdout.write(json.dumps({"text": text}) + "\n" if args.json else text)
         sys.stdout.flush()
     return 0
@@ -211,7 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("job_id")
     logs.add_argument("--follow", action="store_true", help="stream new output until the job ends")
     logs.add_argument("--json", action="store_true", help="JSON (with --follow: JSON lines)")
+    logs.add_argument("--node", type=int, default=0, metavar="K",
+                      help="node K's log, for a multi-node job (default 0)")
     logs.set_defaults(remote=cmd_logs)
+    workers = sub.add_parser("workers", help="the workers: state, slots, labels, current job, last heartbeat")
+    workers.add_argument("--json", action="store_true", help="the list as the API returns it")
+    workers.set_defaults(remote=cmd_workers)
     auth_cli.register(sub)
     return parser
 

@@ -15,6 +15,7 @@ from service.jobs.status import TERMINAL
 log = logging.getLogger(__name__)
 # The server pings an open stream every 15 s (sse-starlette): a read silent for longer is a dead connection.
 STREAM_TIMEOUT = httpx.Timeout(10, read=45)
+NODE_LOG_POLL_S = 1.0  # how often `logs --follow --node k` reads another node's log
 
 
 class APIError(Exception):
@@ -113,14 +114,18 @@ class Client:
         params = {"limit": limit} | ({"status": status} if status else {})
         return self._call("GET", "/v1/jobs", params=params).json()
 
+    def workers(self) -> dict:
+        return self._call("GET", "/v1/workers").json()
+
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel").json()
 
-    def metrics(self, job_id: str, name: str | None = None) -> dict:
-        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params={"name": name} if name else {}).json()
+    def metrics(self, job_id: str, name: str | None = None, node_rank: int = 0) -> dict:
+        params = {"node_rank": node_rank} | ({"name": name} if name else {})
+        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params).json()
 
-    def logs(self, job_id: str, offset: int = 0) -> tuple[str, int, str]:
-        r = self._call("GET", f"/v1/jobs/{job_id}/logs", params={"offset": offset})
+    def logs(self, job_id: str, offset: int = 0, node_rank: int = 0) -> tuple[str, int, str]:
+        r = self._call("GET", f"/v1/jobs/{job_id}/logs", params={"offset": offset, "node_rank": node_rank})
         return r.text, int(r.headers["X-Next-Offset"]), r.headers["X-Job-Status"]
 
     def events(self, job_id: str, last_event_id: str | None = None) -> Iterator[Event]:
@@ -157,12 +162,23 @@ class Client:
             time.sleep(delay)  # a backoff between reconnects, not a poll: a live stream pushes every change
             delay = min(delay * 2, 5.0)
 
-    def follow_logs(self, job_id: str, offset: int = 0) -> Iterator[str]:
+    def follow_logs(self, job_id: str, offset: int = 0, node_rank: int = 0) -> Iterator[str]:
         """The job's output as it grows, until the job ends: the event stream says when the log has grown (a
-        `logs` event) or the job has ended, and only then is GET .../logs read from where the last read ended."""
-        text, offset, _status = self.logs(job_id, offset)
+        `logs` event) or the job has ended, and only then is GET .../logs read from where the last read ended.
+
+        Another node's log (node_rank > 0) is not in the stream's `logs` events: it is read every
+        NODE_LOG_POLL_S until a read says the job has ended (that read holds the whole log).
+        """
+        text, offset, status = self.logs(job_id, offset, node_rank)
         if text:
             yield text
+        if node_rank:
+            while status not in TERMINAL:
+                time.sleep(NODE_LOG_POLL_S)
+                text, offset, status = self.logs(job_id, offset, node_rank)
+                if text:
+                    yield text
+            return
         for event in self.follow_events(job_id):
             grown = event.kind == "logs" and event.data["next_offset"] > offset
             if grown or (event.kind == "status" and event.data["status"] in TERMINAL):

@@ -41,7 +41,7 @@ def read_metrics_after(db: Session, *, job_id: str, cursor: int, limit: int) -> 
     """Up to `limit` metric rows with id > cursor as series; (new cursor, series, rows read)."""
     rows = db.execute(
         select(Metric.id, Metric.name, Metric.step, Metric.value)
-        .where(Metric.job_id == job_id, Metric.id > cursor)
+        .where(Metric.job_id == job_id, Metric.node_rank == 0, Metric.id > cursor)
         .order_by(Metric.id)
         .limit(limit)
     ).all()
@@ -68,7 +68,8 @@ def poll(factory: sessionmaker[Session], job_id: str, cursor: int) -> Snapshot:
         job = jobs.get(db, job_id=job_id)
         snapshot = Snapshot(status=job.status, progress=dict(job.progress or {}),
                             log_end=read_log_end(db, job_id=job_id), batches=[])
-        # NOTE: one attempt at a time ships a job's metrics, in id order, so a cursor on metrics.id skips none.
+        # NOTE: one attempt at a time ships a job's series (node 0's: the other nodes of a gang ship theirs
+        # concurrently, so they are not streamed), in id order, so a cursor on metrics.id skips none.
         while True:
             cursor, series, count = read_metrics_after(db, job_id=job_id, cursor=cursor, limit=BATCH_ROWS)
             if count:

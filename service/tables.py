@@ -1,4 +1,7 @@
-"""How the CLI shows a memory plan, a job and a page of jobs: rich tables (`--json` prints the API's JSON)."""
+"""How the CLI shows a memory plan, a job, a page of jobs and the workers: rich tables (`--json` prints the API's
+JSON)."""
+
+from datetime import UTC, datetime
 
 from rich.table import Column, Table
 
@@ -35,4 +38,19 @@ def jobs_table(page: dict) -> Table:
         table.add_row(job["id"], job["name"], job["owner"], job["status"], job["spec"]["strategy"],
                       f"{resources['nnodes']}×{resources['nproc_per_node']}",
                       f"{progress['step']}/{progress['total_steps'] or '?'}", job["created_at"][:16].replace("T", " "))
+    return table
+
+
+def workers_table(page: dict, now: datetime | None = None) -> Table:
+    """One row a worker: its state, what it offers (device, slots, memory, labels), what it runs, when it was
+    last heard from. Its address and host are in --json."""
+    now = now or datetime.now(UTC)
+    table = Table(Column("state", no_wrap=True), Column("id", no_wrap=True), Column("busy slots", no_wrap=True),
+                  "memory", "labels", "job", Column("seen", no_wrap=True), title=f"{len(page['items'])} workers")
+    for w in page["items"]:
+        seen = max(0.0, (now - datetime.fromisoformat(w["last_seen"])).total_seconds())
+        table.add_row(w["state"], w["id"], f"{w['busy_slots']}/{w['slots']} {w['device']}",
+                      f"{w['memory_gb']:g} GiB" if w["memory_gb"] is not None else "",
+                      " ".join(f"{k}={v}" for k, v in sorted(w["labels"].items())), w["current_job"] or "",
+                      f"{seen:.0f}s ago")
     return table

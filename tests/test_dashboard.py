@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
 
+from service.db import utcnow
+from service.metrics import service as metrics
 from tests.conftest import mlp_spec
 from tests.helpers import live_stack, wait_for, wait_terminal
 
@@ -157,3 +161,22 @@ def test_job_page_follows_a_running_job_live_and_cancels_it(page, api, jobs):
         pass
     assert polled.value.request.headers.get("if-none-match")
     page.screenshot(path=ARTIFACTS / "dashboard-jobs.png", full_page=True)
+
+
+def test_a_gang_s_memory_chart_draws_a_line_per_node(page, api, postgres_url):
+    resources = {"nnodes": 2, "nproc_per_node": 1, "device": "cpu", "selector": {"pool": "nowhere"}}
+    job_id = api.post("/v1/jobs", json=mlp_spec(name="dash-gang", resources=resources)).json()["id"]  # stays queued
+    engine = create_engine(postgres_url)
+    with Session(engine) as db:  # what each node's supervisor ships: its local rank 0's series
+        for node, memory in ((0, 100.0), (1, 180.0)):
+            rows = [(s, name, value, utcnow()) for s in range(1, 11)
+                    for name, value in (("loss", 1 / s), ("peak_mem_mb", memory + s))]
+            metrics.insert_batch(db, job_id=job_id, attempt=1, node_rank=node, rows=rows)
+        db.commit()
+    engine.dispose()
+    page.evaluate(f"location.hash = '#/jobs/{job_id}'")
+    expect(page.locator("#job-name")).to_have_text("dash-gang")
+    expect(page.locator("#chart-memory path.line")).to_have_count(2, timeout=15_000)
+    expect(page.locator("#chart-memory text.legend")).to_have_text(["node 0", "node 1"])
+    expect(page.locator("#chart-loss path.line")).to_have_count(1)  # the job's loss: node 0's series only
+    api.post(f"/v1/jobs/{job_id}/cancel")

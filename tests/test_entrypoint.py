@@ -114,11 +114,17 @@ def test_missing_script_fails_the_job_before_anything_runs(monkeypatch, client, 
     assert "'nope.py'" in job["error"]["message"] and str(tmp_path / "scripts") in job["error"]["message"]
 
 
-def test_report_writes_lines_the_supervisor_ships_only_on_rank_zero(monkeypatch, settings, tmp_path):
+def test_report_writes_lines_the_supervisor_ships_only_on_local_rank_zero_and_the_summary_on_rank_zero(
+        monkeypatch, settings, tmp_path):
     path = tmp_path / "metrics.jsonl"
     monkeypatch.setenv("TRAINJOBS_METRICS_FILE", str(path))
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
     user_report.report(step=1, loss=9.0)
+    assert not path.exists()
+    monkeypatch.setenv("RANK", "2")  # local rank 0 of another node of a gang: its node's series, no summary
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    user_report.summary(final_loss=7.0)
     assert not path.exists()
     monkeypatch.setenv("RANK", "0")
     user_report.report(step=5, total_steps=20, loss=0.5, acc=1)

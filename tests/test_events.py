@@ -124,6 +124,25 @@ def test_reconnect_with_last_event_id_resends_status_and_only_the_unseen_points(
     assert first.next("status")["data"] == {"status": "cancelled"} and first.next() is None
 
 
+def test_the_metrics_answer_s_cursor_starts_the_stream_after_the_points_it_held(api, db):
+    """A chart loads GET .../metrics (thinned), then follows the stream from that answer's cursor: the stream
+    does not send the whole series again, and a gang's other nodes are never in it."""
+    job_id = api.post("/v1/jobs", json=mlp_spec()).json()["id"]
+    move(db, job_id, JobStatus.STARTING, attempt=1, started_at=utcnow())
+    move(db, job_id, JobStatus.RUNNING, progress={"step": 1000})
+    add_points(db, job_id, range(0, 1000))
+    loaded = api.get(f"/v1/jobs/{job_id}/metrics", params={"max_points": 50}).json()
+    assert len(loaded["series"][0]["steps"]) <= 50 and loaded["series"][0]["steps"][-1] == 999
+    metrics.insert_batch(db, job_id=job_id, attempt=1, node_rank=1,
+                         rows=[(s, "loss", 5.0, utcnow()) for s in range(1000, 1003)])  # another node's
+    add_points(db, job_id, range(1000, 1002))
+    stream = Stream(api, job_id, last_event_id=str(loaded["cursor"]))
+    fresh = stream.next("metrics")
+    assert fresh["data"]["series"] == [{"name": "loss", "steps": [1000, 1001], "values": [1 / 1001, 1 / 1002]}]
+    move(db, job_id, JobStatus.CANCELLED)
+    assert stream.next("status")["data"] == {"status": "cancelled"} and stream.next() is None
+
+
 def test_a_finished_job_streams_everything_once_then_closes(client, settings):
     job_id = client.post("/v1/jobs", json=mlp_spec()).json()["id"]
     client.post(f"/v1/jobs/{job_id}/cancel")

@@ -60,6 +60,14 @@ def test_a_two_node_job_matches_one_node_with_two_processes(stack, api, tmp_path
     assert gang_loss["values"] == pytest.approx([r["metrics"]["loss"] for r in records], abs=1e-5)
     assert job["summary"]["final_loss"] == pytest.approx(records[-1]["metrics"]["loss"], abs=1e-5)
 
+    # Each node's local rank 0 keeps its own series: the all-reduced loss is the same, the step time its own.
+    per_node = {rank: {s["name"]: s for s in api.get(f"/v1/jobs/{job_id}/metrics",
+                                                      params={"node_rank": rank}).json()["series"]}
+                for rank in (0, 1)}
+    assert per_node[1]["loss"]["steps"] == [5, 10, 15, 20]
+    assert per_node[1]["loss"]["values"] == pytest.approx(per_node[0]["loss"]["values"], abs=1e-6)
+    assert {"peak_mem_mb", "step_time_s", "samples_per_s"} <= per_node[1].keys()
+
     logs = {rank: api.get(f"/v1/jobs/{job_id}/logs", params={"node_rank": rank}).text for rank in (0, 1)}
     assert all(logs.values()) and logs[0] != logs[1]  # each node's own torchrun output
     assert api.get(f"/v1/jobs/{job_id}/logs", params={"node_rank": 2}).text == ""

@@ -17,10 +17,11 @@ from service.metrics.models import Metric, MetricBlock
 from tests.conftest import mlp_spec
 
 
-def store(db_url: str, job_id: str, rows: list[tuple[int, str, float]], attempt: int = 1) -> None:
+def store(db_url: str, job_id: str, rows: list[tuple[int, str, float]], attempt: int = 1, node_rank: int = 0) -> None:
     engine = create_engine(db_url)
     with Session(engine) as db:
-        metrics.insert_batch(db, job_id=job_id, attempt=attempt, rows=[(s, n, v, utcnow()) for s, n, v in rows])
+        metrics.insert_batch(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
+                             rows=[(s, n, v, utcnow()) for s, n, v in rows])
         db.commit()
     engine.dispose()
 
@@ -70,15 +71,16 @@ def test_downsample_edge_cases():
         assert len(s) <= k and s == sorted(set(s)) and s[-1] == 9
 
 
-def blocks_of(db_url: str, job_id: str, name: str = "loss") -> list[tuple]:
+def blocks_of(db_url: str, job_id: str, name: str = "loss", node_rank: int = 0) -> list[tuple]:
     engine = create_engine(db_url)
     with Session(engine) as db:
         rows = db.execute(select(MetricBlock.block, MetricBlock.points, MetricBlock.last_step, MetricBlock.last_value,
                                  MetricBlock.min_step, MetricBlock.min_value, MetricBlock.max_step,
-                                 MetricBlock.max_value).where(MetricBlock.job_id == job_id, MetricBlock.name == name)
+                                 MetricBlock.max_value).where(MetricBlock.job_id == job_id, MetricBlock.name == name,
+                                                              MetricBlock.node_rank == node_rank)
                           .order_by(MetricBlock.block)).all()
-        recomputed = [(b.block, *vars(blocks.summarize(blocks.block_points(db, job_id=job_id, name=name,
-                                                                            block=b.block))).values()) for b in rows]
+        recomputed = [(b.block, *vars(blocks.summarize(blocks.block_points(
+            db, job_id=job_id, node_rank=node_rank, name=name, block=b.block))).values()) for b in rows]
     engine.dispose()
     assert [tuple(r) for r in rows] == recomputed  # every summary is exactly its points' (latest attempt's)
     return rows
@@ -135,3 +137,48 @@ def test_the_migration_backfills_the_summaries_of_points_already_stored(tmp_path
     got = blocks_of(url, job_id)
     assert [(b.block, b.points, b.max_step, b.max_value) for b in got] == [(0, 256, 255, 510.0),
                                                                            (1, 44, 299, 598.0)]
+
+
+def test_a_gang_keeps_a_series_per_node_and_node_0s_is_the_job_s(client, settings):
+    job = client.post("/v1/jobs", json=mlp_spec()).json()
+    for node, memory in ((0, 100.0), (1, 250.0)):  # the loss is all-reduced, the same on both; memory is not
+        store(settings.database_url, job["id"], [(i, "loss", 1 / (i + 1)) for i in range(1000)]
+              + [(i, "peak_mem_mb", memory + (i == 500) * node) for i in range(1000)], node_rank=node)
+    url = f"/v1/jobs/{job['id']}/metrics"
+    default = client.get(url, params={"name": "peak_mem_mb"}).json()
+    assert default["node_rank"] == 0 and default["series"][0]["values"] == [100.0] * 1000  # node 1's not mixed in
+    node1 = client.get(url, params={"name": "peak_mem_mb", "node_rank": 1}).json()
+    assert node1["node_rank"] == 1 and node1["series"][0]["steps"] == list(range(1000))
+    assert set(node1["series"][0]["values"]) == {250.0, 251.0}
+    thinned = client.get(url, params={"name": "peak_mem_mb", "node_rank": 1, "max_points": 21}).json()["series"]
+    assert max(thinned[0]["values"]) == 251.0 and len(thinned[0]["steps"]) <= 21  # from node 1's own blocks
+    assert blocks_of(settings.database_url, job["id"], "peak_mem_mb", node_rank=1)[1].max_value == 251.0
+    nowhere = client.get(url, params={"node_rank": 5}).json()
+    assert (nowhere["node_rank"], nowhere["series"]) == (5, [])  # a node that reported nothing
+    bad = client.get(url, params={"node_rank": 1024})
+    assert bad.status_code == 422 and "node_rank" in bad.text
+
+
+def test_the_per_node_migration_makes_stored_points_node_0s_and_rebuilds_their_summaries(tmp_path):
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    migrate.upgrade(url, "0006")
+    engine = create_engine(url)
+    with Session(engine) as db:
+        job_id = jobs.create(db, spec=JobSpec.model_validate(mlp_spec())).id
+        db.commit()
+        rows = [{"job_id": job_id, "attempt": 1, "step": s, "name": "loss", "value": float(s % 7), "time": utcnow()}
+                for s in range(600)]
+        db.execute(insert(Metric), rows)  # as a worker at 0006 wrote them: one series, no node
+        db.commit()
+    engine.dispose()
+    migrate.upgrade(url)
+    got = blocks_of(url, job_id)  # node 0's, each exactly its points' summary
+    assert [(b.block, b.points, b.last_step) for b in got] == [(0, 256, 255), (1, 256, 511), (2, 88, 599)]
+    migrate.downgrade(url, "0006")  # and back: the summaries are rebuilt without the node
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM metric_blocks").scalar() == 3
+        assert "node_rank" not in {c[1] for c in conn.exec_driver_sql("PRAGMA table_info(metrics)")}
+    engine.dispose()
+    migrate.upgrade(url)
+    assert len(blocks_of(url, job_id)) == 3

@@ -5,10 +5,11 @@
     report(step=step, loss=loss.item(), total_steps=max_steps)   # every few steps
     summary(final_loss=loss.item())                               # once, at the end
 
-Only rank 0 writes (the RANK that torchrun sets), to the file the service names in TRAINJOBS_METRICS_FILE;
-the service ships the lines to GET /v1/jobs/{id}/metrics and the job's progress. Without that variable
-(a bare torchrun, a laptop) every call does nothing, so the same script runs anywhere. Never imports
-torch: a tensor metric is fine (float() is taken), but importing this module costs nothing.
+Local rank 0 of each node writes (the LOCAL_RANK that torchrun sets), to the file the service names in
+TRAINJOBS_METRICS_FILE; the service ships the lines to GET /v1/jobs/{id}/metrics (a multi-node job keeps a
+series per node: node 0's are the job's, and its progress). summary() is global rank 0's only (RANK).
+Without that variable (a bare torchrun, a laptop) every call does nothing, so the same script runs anywhere.
+Never imports torch: a tensor metric is fine (float() is taken), but importing this module costs nothing.
 """
 
 import os
@@ -39,7 +40,7 @@ _total: int | None = None
 def _reporter() -> _ScriptReporter:
     """The reporter for the current environment; reopened if TRAINJOBS_METRICS_FILE changes."""
     global _open, _total
-    path = os.environ.get(METRICS_FILE_ENV) if os.environ.get("RANK", "0") == "0" else None
+    path = os.environ.get(METRICS_FILE_ENV) if os.environ.get("LOCAL_RANK", "0") == "0" else None
     if _open is None or _open[0] != path:
         if _open is not None:
             _open[1].close()
@@ -64,8 +65,9 @@ def report(step: int, *, total_steps: int | None = None, **metrics: float) -> No
 
 
 def summary(**values: Any) -> None:
-    """Record the run's final values: the job's `summary` (JSON-serialisable values)."""
-    _reporter().summary(values)
+    """Record the run's final values: the job's `summary` (JSON-serialisable values; global rank 0's only)."""
+    if os.environ.get("RANK", "0") == "0":
+        _reporter().summary(values)
 
 
 def checkpoint_dir() -> Path | None:

@@ -92,7 +92,7 @@ class MetricTail:
         self._last_time: float | None = None
         self._timed = False  # the built-in runtime reports step_time_s; a user's script usually does not
 
-    def write(self, db: Session, *, job_id: str, attempt: int) -> int:
+    def write(self, db: Session, *, job_id: str, attempt: int, node_rank: int = 0) -> int:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.pos)
@@ -126,7 +126,7 @@ class MetricTail:
             elif not self._timed and step > self.last_step and self._last_time is not None:
                 self.last_step_time_s = (record["time"] - self._last_time) / (step - self.last_step)
             self.last_step, self._last_time = step, record["time"]
-        return metrics.insert_batch(db, job_id=job_id, attempt=attempt, rows=rows)
+        return metrics.insert_batch(db, job_id=job_id, attempt=attempt, node_rank=node_rank, rows=rows)
 
     def committed(self) -> None:
         self.pos = self._next_pos

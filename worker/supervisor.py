@@ -181,12 +181,13 @@ class Supervisor:
                     self.lease_lost = True
                     return
                 self.logs.write(db)
-                self.metrics.write(db, job_id=self.job_id, attempt=self.attempt)
+                self.metrics.write(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
                 if self.metrics.resumed_from_step is not None:
-                    db.execute(update(Attempt).where(Attempt.job_id == self.job_id, Attempt.number == self.attempt)
+                    db.execute(update(Attempt).where(Attempt.job_id == self.job_id, Attempt.number == self.attempt,
+                                                     Attempt.node_rank == self.node_rank)
                                .values(resumed_from_step=self.metrics.resumed_from_step))
-                # NOTE: in a gang only the node that runs global rank 0 has metrics: the others keep quiet.
-                if self.gang is None or self.metrics.last_step:
+                # Every node's local rank 0 reports its own series; node 0's is the job's, and its progress.
+                if self.node_rank == 0:
                     db.execute(update(Job).where(Job.id == self.job_id, Job.attempt == self.attempt)
                                .values(progress=self._progress()))
                 db.commit()
@@ -216,7 +217,7 @@ class Supervisor:
                      "rank": None, "exit_code": exit_code}
             return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
         # The built-in runtime always ends with a summary; a user's script need not report at all.
-        # A node of a gang whose ranks do not include global rank 0 has no summary to show.
+        # A node of a gang whose ranks do not include global rank 0 has no summary to show (only metrics).
         finished = exit_code == 0 and (self.metrics.summary is not None or self.spec.entrypoint is not None
                                        or self.gang is not None)
         # NOTE: whatever else ended it while the worker shuts down (a job that finished in the grace apart),

@@ -47,34 +47,37 @@ def merge(row: MetricBlock, new: Summary) -> None:
         row.max_step, row.max_value = new.max_step, new.max_value
 
 
-def block_points(db: Session, *, job_id: str, name: str, block: int, after_step: int | None = None
-                 ) -> list[tuple[int, float]]:
+def block_points(db: Session, *, job_id: str, name: str, block: int, after_step: int | None = None,
+                 node_rank: int = 0) -> list[tuple[int, float]]:
     """A block's points as the API serves them: one per step, the latest attempt's (then the latest row's)."""
     lo = block * BLOCK_STEPS if after_step is None else max(block * BLOCK_STEPS, after_step + 1)
     rows = db.execute(select(Metric.step, Metric.value).where(
-        Metric.job_id == job_id, Metric.name == name, Metric.step >= lo, Metric.step < (block + 1) * BLOCK_STEPS,
+        Metric.job_id == job_id, Metric.node_rank == node_rank, Metric.name == name, Metric.step >= lo,
+        Metric.step < (block + 1) * BLOCK_STEPS,
     ).order_by(Metric.step, Metric.attempt, Metric.id))
     return sorted({step: value for step, value in rows}.items())
 
 
-def record(db: Session, *, job_id: str, rows: Iterable[tuple[int, str, float]]) -> None:
-    """Update the blocks of points just inserted (same transaction, after the insert)."""
+def record(db: Session, *, job_id: str, rows: Iterable[tuple[int, str, float]], node_rank: int = 0) -> None:
+    """Update the blocks of one node's points just inserted (same transaction, after the insert)."""
     batches: dict[tuple[str, int], dict[int, float]] = {}
     for step, name, value in rows:
         batches.setdefault((name, step // BLOCK_STEPS), {})[step] = value  # the later row of a step wins
     if not batches:
         return
     existing = {(b.name, b.block): b for b in db.scalars(select(MetricBlock).where(
-        MetricBlock.job_id == job_id, tuple_(MetricBlock.name, MetricBlock.block).in_(list(batches))))}
+        MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank,
+        tuple_(MetricBlock.name, MetricBlock.block).in_(list(batches))))}
     for (name, block), by_step in batches.items():
         points = sorted(by_step.items())
         row = existing.get((name, block))
         if row is None:
-            db.add(MetricBlock(job_id=job_id, name=name, block=block, **vars(summarize(points))))
+            db.add(MetricBlock(job_id=job_id, node_rank=node_rank, name=name, block=block, **vars(summarize(points))))
         elif points[0][0] > row.last_step:
             merge(row, summarize(points))
         else:  # NOTE: steps seen before (a retry): their old values may be the block's min or max
-            for key, value in vars(summarize(block_points(db, job_id=job_id, name=name, block=block))).items():
+            recomputed = block_points(db, job_id=job_id, node_rank=node_rank, name=name, block=block)
+            for key, value in vars(summarize(recomputed)).items():
                 setattr(row, key, value)
 
 
@@ -101,14 +104,15 @@ def thin(blocks: Sequence[Summary | Row], max_points: int) -> tuple[list[int], l
     return [s for s, _ in keep], [v for _, v in keep]
 
 
-def thin_in_database(db: Session, *, job_id: str, name: str | None, max_points: int
+def thin_in_database(db: Session, *, job_id: str, name: str | None, max_points: int, node_rank: int = 0
                      ) -> dict[str, tuple[int, list[int], list[float]]]:
     """thin() done by the database, for every series (or `name`) of the job: per series, its number of blocks
     and the thinned steps and values. Reads each block once and returns at most max_points rows a series,
     where thin() needs every block's row fetched and walked in Python."""
     buckets = max(1, (max_points - 1) // 2)
     series = (MetricBlock.name,)
-    where = [MetricBlock.job_id == job_id] + ([MetricBlock.name == name] if name is not None else [])
+    where = [MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank]
+    where += [MetricBlock.name == name] if name is not None else []
     cumulative = func.sum(MetricBlock.points).over(partition_by=series, order_by=MetricBlock.block)
     total = func.sum(MetricBlock.points).over(partition_by=series)
     numbered = select(

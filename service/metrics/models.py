@@ -14,12 +14,18 @@ class Metric(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer, default=1)
+    # The node of a gang whose local rank 0 reported it (0 for a one-node job). Node 0's points are the job's
+    # series; each other node's are its own (its step time, its memory).
+    node_rank: Mapped[int] = mapped_column(Integer, server_default="0")
     step: Mapped[int] = mapped_column(Integer)
     name: Mapped[str] = mapped_column(String(64))
     value: Mapped[float] = mapped_column(Float)
     time: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
-    __table_args__ = (Index("ix_metrics_job_name_step", "job_id", "name", "step"),)
+    __table_args__ = (
+        Index("ix_metrics_job_node_name_step", "job_id", "node_rank", "name", "step"),  # a series, in step order
+        Index("ix_metrics_job_node_id", "job_id", "node_rank", "id"),  # the event stream's cursor, and its end
+    )
 
 
 class MetricBlock(Base):
@@ -29,6 +35,7 @@ class MetricBlock(Base):
     __tablename__ = "metric_blocks"
 
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    node_rank: Mapped[int] = mapped_column(Integer, primary_key=True, server_default="0")
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     block: Mapped[int] = mapped_column(Integer, primary_key=True)  # step // BLOCK_STEPS
     points: Mapped[int] = mapped_column(Integer)  # distinct steps in the block

@@ -4,7 +4,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from itertools import groupby
 
-from sqlalchemy import insert, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
 from service.metrics import blocks
@@ -13,23 +13,32 @@ from service.metrics.models import Metric, MetricBlock
 
 
 def insert_batch(
-    db: Session, *, job_id: str, attempt: int, rows: Iterable[tuple[int, str, float, datetime]]
+    db: Session, *, job_id: str, attempt: int, rows: Iterable[tuple[int, str, float, datetime]], node_rank: int = 0
 ) -> int:
-    """Insert (step, name, value, time) rows in one statement, and update their series' block summaries."""
+    """Insert (step, name, value, time) rows of one node in one statement, and update their block summaries."""
     values = [
-        {"job_id": job_id, "attempt": attempt, "step": step, "name": name, "value": value, "time": t}
+        {"job_id": job_id, "attempt": attempt, "node_rank": node_rank, "step": step, "name": name, "value": value,
+         "time": t}
         for step, name, value, t in rows
     ]
     if values:
         db.execute(insert(Metric), values)
-        blocks.record(db, job_id=job_id, rows=((v["step"], v["name"], v["value"]) for v in values))
+        blocks.record(db, job_id=job_id, node_rank=node_rank,
+                      rows=((v["step"], v["name"], v["value"]) for v in values))
     return len(values)
 
 
+def stream_cursor(db: Session, *, job_id: str) -> int:
+    """The highest metrics.id of the job's series (node 0's): GET .../events with it as Last-Event-ID sends
+    only points written after it. An index lookup (ix_metrics_job_node_id), however long the series."""
+    return db.scalar(select(func.max(Metric.id)).where(Metric.job_id == job_id, Metric.node_rank == 0)) or 0
+
+
 def read_series(
-    db: Session, *, job_id: str, name: str | None = None, after_step: int | None = None
+    db: Session, *, job_id: str, name: str | None = None, after_step: int | None = None, node_rank: int = 0
 ) -> list[dict]:
-    query = select(Metric.name, Metric.step, Metric.value).where(Metric.job_id == job_id)
+    query = select(Metric.name, Metric.step, Metric.value).where(Metric.job_id == job_id,
+                                                                 Metric.node_rank == node_rank)
     if name is not None:
         query = query.where(Metric.name == name)
     if after_step is not None:
@@ -47,7 +56,7 @@ def read_series(
 
 
 def read_thinned(db: Session, *, job_id: str, max_points: int, name: str | None = None,
-                 after_step: int | None = None) -> list[dict]:
+                 after_step: int | None = None, node_rank: int = 0) -> list[dict]:
     """Every series (or `name`) thinned to at most max_points: min and max per bucket and the last point.
 
     A series with at least one block per bucket is thinned from its block summaries (a first block that
@@ -55,19 +64,21 @@ def read_thinned(db: Session, *, job_id: str, max_points: int, name: str | None 
     """
     buckets = (max_points - 1) // 2
     if after_step is None and max_points >= 3:  # whole blocks only: the database thins them
-        thinned = blocks.thin_in_database(db, job_id=job_id, name=name, max_points=max_points)
+        thinned = blocks.thin_in_database(db, job_id=job_id, node_rank=node_rank, name=name, max_points=max_points)
         if not thinned:  # NOTE: points written around insert_batch (a bulk load) have no summaries
-            return thin_points(db, job_id=job_id, name=name, after_step=None, max_points=max_points)
+            return thin_points(db, job_id=job_id, node_rank=node_rank, name=name, after_step=None,
+                               max_points=max_points)
         series = []
         for series_name, (count, steps, values) in thinned.items():
             if count < buckets:
-                series += thin_points(db, job_id=job_id, name=series_name, after_step=None, max_points=max_points)
+                series += thin_points(db, job_id=job_id, node_rank=node_rank, name=series_name, after_step=None,
+                                      max_points=max_points)
             else:
                 series.append({"name": series_name, "steps": steps, "values": values})
         return series
     query = select(MetricBlock.name, MetricBlock.block, MetricBlock.points, MetricBlock.last_step,
                    MetricBlock.last_value, MetricBlock.min_step, MetricBlock.min_value, MetricBlock.max_step,
-                   MetricBlock.max_value).where(MetricBlock.job_id == job_id)
+                   MetricBlock.max_value).where(MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank)
     if name is not None:
         query = query.where(MetricBlock.name == name)
     cut = None if after_step is None else after_step // blocks.BLOCK_STEPS  # the block after_step falls in
@@ -75,15 +86,18 @@ def read_thinned(db: Session, *, job_id: str, max_points: int, name: str | None 
         query = query.where(MetricBlock.block >= cut)
     found = db.execute(query.order_by(MetricBlock.name, MetricBlock.block)).all()
     if not found:  # NOTE: points written around insert_batch (a bulk load) have no summaries: use the points
-        return thin_points(db, job_id=job_id, name=name, after_step=after_step, max_points=max_points)
+        return thin_points(db, job_id=job_id, node_rank=node_rank, name=name, after_step=after_step,
+                           max_points=max_points)
     series = []
     for series_name, group in groupby(found, lambda row: row.name):
         rows: list = list(group)  # each row has a Summary's fields
         if max_points < 3 or len(rows) < buckets:
-            series += thin_points(db, job_id=job_id, name=series_name, after_step=after_step, max_points=max_points)
+            series += thin_points(db, job_id=job_id, node_rank=node_rank, name=series_name, after_step=after_step,
+                                  max_points=max_points)
             continue
         if rows[0].block == cut:
-            points = blocks.block_points(db, job_id=job_id, name=series_name, block=cut, after_step=after_step)
+            points = blocks.block_points(db, job_id=job_id, node_rank=node_rank, name=series_name, block=cut,
+                                         after_step=after_step)
             rows[:1] = [blocks.summarize(points)] if points else []
         if rows:
             steps, values = blocks.thin(rows, max_points)
@@ -91,9 +105,9 @@ def read_thinned(db: Session, *, job_id: str, max_points: int, name: str | None 
     return series
 
 
-def thin_points(db: Session, *, job_id: str, name: str | None, after_step: int | None, max_points: int
-                ) -> list[dict]:
-    series = read_series(db, job_id=job_id, name=name, after_step=after_step)
+def thin_points(db: Session, *, job_id: str, name: str | None, after_step: int | None, max_points: int,
+                node_rank: int = 0) -> list[dict]:
+    series = read_series(db, job_id=job_id, node_rank=node_rank, name=name, after_step=after_step)
     for entry in series:
         entry["steps"], entry["values"] = downsample(entry["steps"], entry["values"], max_points)
     return series

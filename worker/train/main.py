@@ -50,7 +50,8 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
                          seed=cfg.seed, epoch=position.epoch, batches_in_epoch=position.batches_in_epoch)
     evaluate = Evaluator(eval_set, spec, info, d) if eval_set is not None else None
 
-    reporter = Reporter(reporter_path, enabled=d.is_main)
+    # Local rank 0 of each node reports (a gang keeps a series per node); only global rank 0 the summary.
+    reporter = Reporter(reporter_path, enabled=d.local_rank == 0)
     accum, max_steps = cfg.grad_accum_steps, cfg.max_steps
     global_batch = spec.data.batch_size * d.world_size * accum
     peak = peak_flops(torch.cuda.get_device_name(d.device)) if d.device.type == "cuda" else None
@@ -61,7 +62,8 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
               f"{f' ({accum} micro-batches)' if accum > 1 else ''}, {max_steps} steps", flush=True)
         if resumed_from is not None:
             print(f"[trainjobs] resumed from checkpoint {latest[0].name} at step {resumed_from}", flush=True)
-            reporter.resumed(resumed_from)
+    if resumed_from is not None:
+        reporter.resumed(resumed_from)  # each node's, for its attempt row
     fault = spec.fault_injection
     attempt = int(os.environ.get("TRAINJOBS_ATTEMPT", "1"))
     fault_armed = fault is not None and d.rank == fault.rank and fault.attempt in (None, attempt)
@@ -141,8 +143,8 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
         summary["eval_loss"] = metrics["eval_loss"]
     if model_file:
         summary["model_file"] = model_file.name
-    reporter.summary(summary)
     if d.is_main:
+        reporter.summary(summary)
         print(f"[trainjobs] done: {step} steps in {wall:.2f}s, final loss {loss_value}", flush=True)
     reporter.close()
 

@@ -4,7 +4,7 @@
 "use strict";
 
 const TOKEN_KEY = "trainjobs.token";
-const PAGE_SIZE = 25, MAX_POINTS = 500, LOG_KEEP = 100_000;
+const PAGE_SIZE = 25, MAX_POINTS = 500, LOG_KEEP = 100_000, MAX_NODE_LINES = 4;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 const SVGNS = "http://www.w3.org/2000/svg";
 const $ = (id) => document.getElementById(id);
@@ -255,13 +255,16 @@ function drawChart(node, lines, { zero = false } = {}) {
     if (drawn.length > 1) node.append(svg("text", { x: W - R, y: T + 10 + 12 * i, class: `legend end s${i}` }, l.name));
   });
 }
-function drawCharts(series) {
+// nodes: a gang's other nodes' peak memory (node rank → series), one line each beside node 0's.
+function drawCharts(series, nodes = new Map()) {
   const get = (name) => ({ name, ...(series.get(name) || { steps: [], values: [] }) });
   drawChart($("chart-loss"), [get("loss"), get("eval_loss")]);
   const rate = series.has("tokens_per_s") ? "tokens_per_s" : "samples_per_s";
   $("throughput-caption").textContent = rate.replaceAll("_", " ").replace(" per s", "/s");
   drawChart($("chart-throughput"), [get(rate)], { zero: true });
-  drawChart($("chart-memory"), [get("peak_mem_mb")], { zero: true });
+  const memory = [{ ...get("peak_mem_mb"), name: nodes.size ? "node 0" : "peak_mem_mb" }];
+  for (const [rank, s] of nodes) memory.push({ ...s, name: `node ${rank}` });
+  drawChart($("chart-memory"), memory, { zero: true });
 }
 
 // ---- Server-Sent Events over fetch(): EventSource cannot send an Authorization header.
@@ -290,6 +293,7 @@ async function readEvents(path, lastId, onEvent, signal) {
 function jobView(id) {
   show("job");
   const base = `/v1/jobs/${encodeURIComponent(id)}`, aborter = new AbortController(), series = new Map();
+  const nodes = new Map(); // a gang's nodes 1.. (up to MAX_NODE_LINES - 1): their own peak memory
   const decoder = new TextDecoder();
   let stopped = false, job = null, logOffset = 0, drawQueued = false;
   for (const k of ["job-name", "job-meta", "job-summary", "job-progress", "log", "job-spec", "plan-reason",
@@ -300,7 +304,7 @@ function jobView(id) {
   const redraw = () => {
     if (drawQueued) return;
     drawQueued = true;
-    requestAnimationFrame(() => { drawQueued = false; drawCharts(series); });
+    requestAnimationFrame(() => { drawQueued = false; drawCharts(series, nodes); });
   };
   const refreshJob = async () => {
     const { body, changed } = await getJson(base);
@@ -308,9 +312,23 @@ function jobView(id) {
     if (changed) renderJob(body);
   };
   const refreshAttempts = async () => renderAttempts((await (await api(`${base}/attempts`)).json()).data);
+  let streamFrom = null; // the metrics answer's cursor: the stream then sends only newer points
   const loadMetrics = async () => {
     const body = await (await api(`${base}/metrics?max_points=${MAX_POINTS}`)).json();
     mergeSeries(series, body.series); redraw();
+    streamFrom = String(body.cursor);
+  };
+  // The stream carries node 0's points (the job's series); each other node's memory is polled.
+  let stopNodes = () => {};
+  const loadNodes = async () => {
+    const count = Math.min(job?.spec?.resources?.nnodes ?? 1, MAX_NODE_LINES);
+    for (let rank = 1; rank < count; rank++) {
+      const q = `name=peak_mem_mb&max_points=${MAX_POINTS}&node_rank=${rank}`;
+      const body = await (await api(`${base}/metrics?${q}`, { signal: aborter.signal })).json();
+      nodes.set(rank, body.series[0] || { steps: [], values: [] });
+    }
+    redraw();
+    return count > 1 && !TERMINAL.has(job.status);
   };
   const onEvent = (ev) => {
     const data = JSON.parse(ev.data);
@@ -321,7 +339,7 @@ function jobView(id) {
   };
   // The stream ends after the terminal status; any other end is a drop: reconnect where it left off.
   const follow = async () => {
-    let lastId = null, ended = false;
+    let lastId = streamFrom, ended = false;
     while (!stopped && !ended) {
       try {
         await readEvents(`${base}/events`, lastId, (ev) => {
@@ -347,8 +365,11 @@ function jobView(id) {
       $("job-cancel-error").textContent = `Cancel refused: ${e.message}`; $("job-cancel-error").hidden = false;
     }
   };
-  Promise.all([refreshJob(), refreshAttempts(), loadMetrics()]).then(follow, report);
-  return () => { stopped = true; stopLog(); aborter.abort(); };
+  Promise.all([refreshJob(), refreshAttempts(), loadMetrics()]).then(() => {
+    if (!stopped) stopNodes = every(5000, loadNodes);
+    return follow();
+  }, report);
+  return () => { stopped = true; stopLog(); stopNodes(); aborter.abort(); };
 }
 function appendLog(text) {
   if (!text) return;
