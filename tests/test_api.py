@@ -83,7 +83,7 @@ def test_every_transition_is_in_the_audit_trail(client, settings):
 
 def test_metrics_and_logs_of_a_new_job_are_empty(client):
     job = client.post("/v1/jobs", json=mlp_spec()).json()
-    assert client.get(f"/v1/jobs/{job['id']}/metrics").json() == {"series": []}
+    assert client.get(f"/v1/jobs/{job['id']}/metrics").json() == {"node_rank": 0, "cursor": 0, "series": []}
     r = client.get(f"/v1/jobs/{job['id']}/logs")
     assert r.status_code == 200 and r.text == "" and r.headers["x-next-offset"] == "0"
 
