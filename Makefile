@@ -38,6 +38,7 @@ bench: $(STAMP) services
 	$(PY) bench/strategies.py
 	$(PY) bench/lost_worker.py
 	$(PY) bench/polling.py
+	$(PY) bench/auth.py
 
 clean:
 	rm -rf $(VENV) trainjobs-data
