@@ -162,7 +162,8 @@ class Client:
             time.sleep(delay)  # a backoff between reconnects, not a poll: a live stream pushes every change
             delay = min(delay * 2, 5.0)
 
-    def follow_logs(self, job_id: str, offset: int = 0, node_rank: int = 0) -> Iterator[str]:
+    def follow_logs(self, job_id: str, offset: int = 0, node_rank: int = 0, *, give_up_s: float = 60
+                    ) -> Iterator[str]:
         """The job's output as it grows, until the job ends: the event stream says when the log has grown (a
         `logs` event) or the job has ended, and only then is GET .../logs read from where the last read ended.
 
@@ -173,9 +174,20 @@ class Client:
         if text:
             yield text
         if node_rank:
+            failing_since = None  # a dropped connection or a restarting API is retried, as the stream is
             while status not in TERMINAL:
                 time.sleep(NODE_LOG_POLL_S)
-                text, offset, status = self.logs(job_id, offset, node_rank)
+                try:
+                    text, offset, status = self.logs(job_id, offset, node_rank)
+                except (httpx.TransportError, APIError) as exc:
+                    if isinstance(exc, APIError) and exc.status < 500:
+                        raise
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > give_up_s:
+                        raise RuntimeError(f"lost node {node_rank}'s log of job {job_id} for {give_up_s:.0f} s "
+                                           f"({exc})") from exc
+                    continue
+                failing_since = None
                 if text:
                     yield text
             return

@@ -8,6 +8,9 @@
 Local rank 0 of each node writes (the LOCAL_RANK that torchrun sets), to the file the service names in
 TRAINJOBS_METRICS_FILE; the service ships the lines to GET /v1/jobs/{id}/metrics (a multi-node job keeps a
 series per node: node 0's are the job's, and its progress). summary() is global rank 0's only (RANK).
+Call report() on every rank: it writes on local rank 0 only. A script that calls it on RANK 0 alone reports
+from whichever node c10d gave that rank: that node's series (?node_rank=k) then holds it, and the job's
+progress follows it all the same.
 Without that variable (a bare torchrun, a laptop) every call does nothing, so the same script runs anywhere.
 Never imports torch: a tensor metric is fine (float() is taken), but importing this module costs nothing.
 """

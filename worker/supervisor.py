@@ -167,7 +167,7 @@ class Supervisor:
         self.logs.stage(pump.take())
         try:
             with self.sessions() as db:
-                job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at)
+                job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at, Job.progress)
                                  .where(Job.id == self.job_id).with_for_update()).one_or_none()
                 renew = time.monotonic() - self._renewed >= self.settings.heartbeat_s
                 expires = (utcnow() + timedelta(seconds=self.settings.lease_s + self._lease_extra_s) if renew
@@ -186,8 +186,12 @@ class Supervisor:
                     db.execute(update(Attempt).where(Attempt.job_id == self.job_id, Attempt.number == self.attempt,
                                                      Attempt.node_rank == self.node_rank)
                                .values(resumed_from_step=self.metrics.resumed_from_step))
-                # Every node's local rank 0 reports its own series; node 0's is the job's, and its progress.
-                if self.node_rank == 0:
+                # Every node's local rank 0 reports its own series; node 0's is the job's, and its progress once
+                # it has reported. Another node's moves progress only when it is ahead: a user's script that
+                # reports on global rank 0 alone (RANK == 0) reports from whichever node c10d gave that rank.
+                stored = (job.progress or {}).get("step") or 0
+                if (self.gang is None or self.metrics.last_step > stored
+                        or (self.node_rank == 0 and self.metrics.last_step > 0)):
                     db.execute(update(Job).where(Job.id == self.job_id, Job.attempt == self.attempt)
                                .values(progress=self._progress()))
                 db.commit()

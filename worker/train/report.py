@@ -11,7 +11,7 @@ METRICS_FILE_ENV = "TRAINJOBS_METRICS_FILE"
 
 
 class Reporter:
-    """Appends one JSON line per report; only rank 0 writes scalars."""
+    """Appends one JSON line per report; only the rank it is enabled on writes (local rank 0 of each node)."""
 
     def __init__(self, path: str | os.PathLike | None = None, *, enabled: bool = True):
         path = path or os.environ.get(METRICS_FILE_ENV)
