@@ -29,13 +29,11 @@ def _revision_0006():
     return module
 
 
-def _blocks_table(with_node: bool) -> sa.Table:
-    node = [sa.Column('node_rank', sa.Integer(), server_default='0', nullable=False)] if with_node else []
-    key = ['job_id', 'node_rank', 'name', 'block'] if with_node else ['job_id', 'name', 'block']
+def _blocks_table() -> sa.Table:
     return op.create_table(
         'metric_blocks',
         sa.Column('job_id', sa.String(length=32), nullable=False),
-        *node,
+        sa.Column('node_rank', sa.Integer(), server_default='0', nullable=False),
         sa.Column('name', sa.String(length=64), nullable=False),
         sa.Column('block', sa.Integer(), nullable=False),
         sa.Column('points', sa.Integer(), nullable=False),
@@ -46,7 +44,7 @@ def _blocks_table(with_node: bool) -> sa.Table:
         sa.Column('max_step', sa.Integer(), nullable=False),
         sa.Column('max_value', sa.Float(), nullable=False),
         sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], ondelete='CASCADE'),
-        sa.PrimaryKeyConstraint(*key),
+        sa.PrimaryKeyConstraint('job_id', 'node_rank', 'name', 'block'),
     )
 
 
@@ -57,7 +55,7 @@ def upgrade() -> None:
         batch_op.create_index('ix_metrics_job_node_name_step', ['job_id', 'node_rank', 'name', 'step'])
         batch_op.create_index('ix_metrics_job_node_id', ['job_id', 'node_rank', 'id'])
     op.drop_table('metric_blocks')
-    _revision_0006().backfill(op.get_bind(), _blocks_table(with_node=True))  # every point is node 0's
+    _revision_0006().backfill(op.get_bind(), _blocks_table())  # every point is node 0's
 
 
 def downgrade() -> None:
@@ -68,4 +66,4 @@ def downgrade() -> None:
         batch_op.create_index('ix_metrics_job_name_step', ['job_id', 'name', 'step'])
         batch_op.drop_column('node_rank')
     op.drop_table('metric_blocks')
-    _revision_0006().backfill(op.get_bind(), _blocks_table(with_node=False))
+    _revision_0006().upgrade()  # the table as 0006 made it, built again from the points
