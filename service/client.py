@@ -18,6 +18,16 @@ STREAM_TIMEOUT = httpx.Timeout(10, read=45)
 NODE_LOG_POLL_S = 1.0  # how often `logs --follow --node k` reads another node's log
 
 
+def retry_reason(exc: Exception) -> str:
+    """Why a follower may try again: a transport error (refused, reset, timed out: the API restarting, a
+    proxy, ...) or a 5xx. Anything else (404, 401, 422: retrying would not change the answer) is raised."""
+    if isinstance(exc, httpx.TransportError):
+        return f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, APIError) and exc.status >= 500:
+        return str(exc)
+    raise exc
+
+
 class APIError(Exception):
     def __init__(self, status: int, detail):
         super().__init__(f"HTTP {status}: {format_detail(detail)}")
@@ -149,12 +159,8 @@ class Client:
                     if event.kind == "status" and event.data.get("status") in TERMINAL:
                         return
                 reason = "the stream ended before the job did"
-            except httpx.TransportError as exc:  # refused, reset, timed out: the API restarting, a proxy, ...
-                reason = f"{type(exc).__name__}: {exc}"
-            except APIError as exc:
-                if exc.status < 500:  # 404, 401, 422: retrying would not change the answer
-                    raise
-                reason = str(exc)
+            except (httpx.TransportError, APIError) as exc:
+                reason = retry_reason(exc)
             failing_since = failing_since or time.monotonic()
             if time.monotonic() - failing_since > give_up_s:
                 raise RuntimeError(f"lost the event stream of job {job_id} for {give_up_s:.0f} s ({reason})")
@@ -180,12 +186,11 @@ class Client:
                 try:
                     text, offset, status = self.logs(job_id, offset, node_rank)
                 except (httpx.TransportError, APIError) as exc:
-                    if isinstance(exc, APIError) and exc.status < 500:
-                        raise
+                    reason = retry_reason(exc)
                     failing_since = failing_since or time.monotonic()
                     if time.monotonic() - failing_since > give_up_s:
                         raise RuntimeError(f"lost node {node_rank}'s log of job {job_id} for {give_up_s:.0f} s "
-                                           f"({exc})") from exc
+                                           f"({reason})") from exc
                     continue
                 failing_since = None
                 if text:
