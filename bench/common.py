@@ -17,9 +17,10 @@ from pathlib import Path
 
 import httpx
 
-from service.jobs.status import TERMINAL
 from service.settings import Settings
 from service.stack import Stack
+from trainjobs import runenv
+from trainjobs.states import TERMINAL
 
 
 def redis_url() -> str:
@@ -70,14 +71,14 @@ def percentile(values: list[float], q: float) -> float:
 def run_bare(spec: dict, extra_env: dict[str, str] | None = None) -> tuple[list[dict], float]:
     """A spec under a bare torchrun: the command line and environment the worker would use, without the
     service around it. Returns the reporter's records and the wall time."""
-    from service.jobs.spec import JobSpec
+    from trainjobs.spec import JobSpec
     from worker import launch
 
     job_spec = JobSpec.model_validate(spec)
     with tempfile.TemporaryDirectory(prefix="trainjobs-bare-") as tmp:
         run_dir = Path(tmp)
         (run_dir / "tmp").mkdir()
-        (run_dir / launch.SPEC_FILE).write_text(job_spec.model_dump_json())
+        (run_dir / runenv.SPEC_FILE).write_text(job_spec.model_dump_json())
         cmd = launch.render(job_spec, job_id="bare", attempt=1, run_dir=run_dir, python=sys.executable,
                             data_dir=run_dir, job_dir=run_dir / "storage", shutdown_grace_s=5,
                             base_env=launch.default_env(), cpu_count=os.cpu_count() or 1)

@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import run_bare  # noqa: E402
-from service import plan as memory_plan  # noqa: E402
-from service.jobs.spec import JobSpec  # noqa: E402
+from trainjobs import plan as memory_plan  # noqa: E402
+from trainjobs.spec import JobSpec  # noqa: E402
 
 SPEC = {
     "name": "bench-strategies",

@@ -1,4 +1,5 @@
 from alembic import context
+
 from service.db import make_engine
 from service.models import Base
 

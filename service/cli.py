@@ -13,10 +13,10 @@ from rich.console import Console
 
 from service import tables
 from service.auth import cli as auth_cli
-from service.client import APIError, Client, find_token
 from service.follow import exit_code, follow, print_outcome
-from service.jobs.status import TERMINAL, JobStatus
 from service.settings import Settings, check_bind, get_settings
+from trainjobs.client import APIError, Client, find_token
+from trainjobs.states import TERMINAL, JobStatus
 
 console = Console()
 

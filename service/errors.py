@@ -1,31 +1,22 @@
-"""One error hierarchy; service/main.py maps it to HTTP in one place."""
+"""One error hierarchy (rooted in trainjobs/errors.py); service/api/app.py maps it to HTTP in one place."""
 
 from typing import Any
 
 from pydantic import BaseModel, Field
 
+from trainjobs.errors import InvalidRequest, NotFound, TrainjobsError
 
-class TrainjobsError(Exception):
-    """Base of every error the control plane raises on purpose."""
-
-    status_code = 400
-    headers: dict[str, str] | None = None
-
-    def __init__(self, message: str, *, field: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.field = field
+__all__ = ["ArtifactNotFound", "ErrorPublic", "Forbidden", "IdempotencyConflict", "InvalidRequest",
+           "InvalidTransition", "JobNotFound", "NotFound", "TrainjobsError", "responses"]
 
 
-class JobNotFound(TrainjobsError):
-    status_code = 404
-
+class JobNotFound(NotFound):
     def __init__(self, job_id: str):
         super().__init__(f"job {job_id!r} not found", field="job_id")
 
 
-class ArtifactNotFound(TrainjobsError):
-    status_code = 404
+class ArtifactNotFound(NotFound):
+    pass
 
 
 class InvalidTransition(TrainjobsError):
@@ -40,10 +31,6 @@ class IdempotencyConflict(TrainjobsError):
     def __init__(self, job_id: str):
         super().__init__(f"this Idempotency-Key already made job {job_id} from another spec; use a new key",
                          field="Idempotency-Key")
-
-
-class InvalidRequest(TrainjobsError):
-    status_code = 422
 
 
 class Forbidden(TrainjobsError):

@@ -20,9 +20,9 @@ from starlette.concurrency import run_in_threadpool
 from service.auth.deps import JobIdDep
 from service.errors import InvalidRequest, responses
 from service.jobs import service as jobs
-from service.jobs.status import JobStatus
 from service.logs.models import LogChunk
 from service.metrics.models import Metric
+from trainjobs.states import JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["events"])
 BATCH_ROWS = 5000  # metric rows per `metrics` event

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from service.client import Client, Event
+from trainjobs.client import Client, Event
 
 # What `trainjobs submit --follow` exits with, like a command that ran the job itself: 130 is a shell's code
 # for "stopped by SIGINT", also what Ctrl-C of the follower gives (the job keeps running then).

@@ -2,11 +2,12 @@
 
 from fastapi import APIRouter
 
-from service import plan, workers_registry
 from service.deps import SessionDep, SettingsDep
 from service.errors import responses
 from service.jobs import service
-from service.jobs.spec import JobSpec
+from service.workers import service as worker_rows
+from trainjobs import plan
+from trainjobs.spec import JobSpec
 
 router = APIRouter(prefix="/v1/plan", tags=["plan"])
 
@@ -16,5 +17,5 @@ def plan_job(spec: JobSpec, db: SessionDep, settings: SettingsDep) -> plan.Plan:
     """Both estimates, the choice and the reason. Nothing fitting is an answer here (choice null), not an error:
     only submitting such an "auto" job is refused."""
     service.check_inputs(spec, data_dir=settings.data_dir)
-    workers = workers_registry.workers_for(db, spec=spec, lost_after_s=settings.lease_s)
+    workers = worker_rows.memory_for(db, spec=spec, lost_after_s=settings.lease_s)
     return plan.make_plan(spec, workers)

@@ -25,10 +25,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service import queue
 from service.auth.deps import current_principal
 from service.jobs.models import Job
-from service.jobs.status import JobStatus
 from service.metrics.models import Metric as MetricRow
 from service.workers import service as workers
 from service.workers.models import Worker
+from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["observability"])

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from service.db import utcnow
 from service.jobs.models import Attempt, Job
-from service.jobs.status import JobStatus
+from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from service import queue
 from service.db import utcnow
 from service.jobs import retries
 from service.jobs.models import Attempt, Job
-from service.jobs.status import JobStatus
 from service.settings import Settings
 from service.workers import pending
 from service.workers import service as workers
+from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
 

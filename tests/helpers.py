@@ -13,10 +13,11 @@ import psutil
 from sqlalchemy import create_engine, func, select
 
 from service.jobs.models import Job
-from service.jobs.status import TERMINAL
 from service.queue import PRIORITIES, get_queue
+from trainjobs import runenv
+from trainjobs.runenv import RUN_TAG_ENV
+from trainjobs.states import TERMINAL
 from worker import launch
-from worker.launch import RUN_TAG_ENV
 
 
 def count_jobs(url: str) -> int:
@@ -86,12 +87,12 @@ def run_torchrun(spec: dict, run_dir: Path, *, attempt: int = 1, job_dir: Path |
 
     job_dir (checkpoints, artifacts) defaults to run_dir/storage; pass the same one to resume.
     """
-    from service.jobs.spec import JobSpec
+    from trainjobs.spec import JobSpec
 
     job_spec = JobSpec.model_validate(spec)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "tmp").mkdir(exist_ok=True)
-    (run_dir / launch.SPEC_FILE).write_text(job_spec.model_dump_json())
+    (run_dir / runenv.SPEC_FILE).write_text(job_spec.model_dump_json())
     # The service's own command line; cpu_count=nproc gives each rank one thread, as on a busy CI box.
     plan = launch.render(job_spec, job_id="bare", attempt=attempt, run_dir=run_dir, python=sys.executable,
                          data_dir=run_dir, job_dir=job_dir or run_dir / "storage", shutdown_grace_s=5,

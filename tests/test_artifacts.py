@@ -2,7 +2,7 @@
 
 import pytest
 
-from service import storage
+from service.artifacts import service as storage
 from tests.conftest import mlp_spec
 
 

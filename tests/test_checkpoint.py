@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
-from service.jobs.spec import JobSpec
 from tests.conftest import mlp_spec
 from tests.helpers import run_torchrun
+from trainjobs.spec import JobSpec
 from worker.train.checkpoint import COMPLETE, complete_checkpoints
 from worker.train.data import build_dataset
 from worker.train.models import build_model

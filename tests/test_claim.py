@@ -5,9 +5,9 @@ from sqlalchemy import select
 from service.db import make_engine, make_sessionmaker
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
-from service.jobs.spec import JobSpec
-from service.jobs.status import JobStatus
 from tests.conftest import mlp_spec
+from trainjobs.spec import JobSpec
+from trainjobs.states import JobStatus
 from worker import agent
 from worker.supervisor import Outcome
 

@@ -17,11 +17,11 @@ from sqlalchemy.orm import Session
 
 from service.db import utcnow
 from service.jobs import service as jobs
-from service.jobs.status import JobStatus
 from service.logs import service as logs
 from service.metrics import service as metrics
 from tests.conftest import mlp_spec
 from tests.helpers import live_stack, wait_for
+from trainjobs.states import JobStatus
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,11 @@ tables and logs a person reads."""
 import json
 
 from service import cli
-from service.client import Client
 from service.db import make_engine, make_sessionmaker
 from service.logs import service as logs
 from service.workers import service as workers
 from tests.conftest import mlp_spec
+from trainjobs.client import Client
 
 
 def run(client, capsys, *argv: str) -> str:

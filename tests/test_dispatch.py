@@ -5,9 +5,9 @@ from rq.serializers import JSONSerializer
 from service import queue
 from service.db import make_engine, make_sessionmaker
 from service.jobs import service as jobs
-from service.jobs.spec import JobSpec
 from tests.conftest import QUEUE_PREFIX, mlp_spec
 from tests.helpers import queued_ids
+from trainjobs.spec import JobSpec
 from worker.dispatch import Chooser, FittingQueue
 from worker.inventory import Offer
 

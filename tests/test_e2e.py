@@ -9,7 +9,7 @@ from datetime import datetime
 import psutil
 import pytest
 
-from service import storage
+from service.artifacts import service as storage
 from tests.conftest import mlp_spec
 from tests.helpers import live_stack, processes_of, wait_for, wait_terminal
 

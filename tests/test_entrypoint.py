@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
+import trainjobs as user_report
 from service.db import make_engine, make_sessionmaker
 from service.jobs import service as jobs
-from service.jobs.spec import JobSpec
 from service.metrics import service as metrics
 from service.settings import Settings
 from tests.conftest import mlp_spec
 from tests.helpers import live_stack, wait_terminal
+from trainjobs.spec import JobSpec
 from worker import agent, launch
-from worker import report as user_report
 from worker.shipping import MetricTail
 
 EXAMPLE_SCRIPTS = Path(__file__).resolve().parent.parent / "examples" / "scripts"

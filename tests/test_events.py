@@ -11,11 +11,11 @@ from sqlalchemy.orm import Session
 
 from service.db import make_engine, utcnow
 from service.jobs import service as jobs
-from service.jobs.status import JobStatus
 from service.main import create_app
 from service.metrics import service as metrics
 from tests.conftest import admin_token, mlp_spec
 from tests.helpers import free_port, wait_for
+from trainjobs.states import JobStatus
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from sqlalchemy import select, update
 from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
-from service.jobs.spec import JobSpec
-from service.jobs.status import JobStatus
 from tests.conftest import mlp_spec
+from trainjobs.spec import JobSpec
+from trainjobs.states import JobStatus
 from worker import agent, gang
 from worker.inventory import Offer
 

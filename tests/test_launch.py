@@ -2,8 +2,9 @@
 
 from pathlib import Path
 
-from service.jobs.spec import JobSpec
 from tests.conftest import mlp_spec
+from trainjobs import runenv
+from trainjobs.spec import JobSpec
 from worker import launch
 
 
@@ -26,7 +27,7 @@ def test_single_node_launch_is_standalone_without_restarts():
 
 def test_launch_env_tags_every_process_and_keeps_temp_files_in_the_run_dir():
     env = render(mlp_spec()).env
-    assert env[launch.RUN_TAG_ENV] == "0123456789abcdef0123.2"
+    assert env[runenv.RUN_TAG_ENV] == "0123456789abcdef0123.2"
     assert env["TMPDIR"] == "/runs/x/tmp"
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "7"
     assert env["OMP_NUM_THREADS"] == "4"  # 8 cores over 2 ranks
@@ -46,5 +47,5 @@ def test_a_gang_node_launches_with_c10d_rendezvous_hosted_by_node_0():
         assert flags["--rdzv-id"] == "0123456789abcdef0123-2"  # one rendezvous per attempt
         assert flags["--rdzv-conf"] == f"is_host={int(rank == 0)},join_timeout=45"
         assert flags["--local-addr"] == f"10.0.0.{rank + 1}"  # the address the other nodes reach
-        tag = render(spec, gang=gang).env[launch.RUN_TAG_ENV]  # per node: stopping one never finds the other's
+        tag = render(spec, gang=gang).env[runenv.RUN_TAG_ENV]  # per node: stopping one never finds the other's
         assert tag == ("0123456789abcdef0123.2" if rank == 0 else f"0123456789abcdef0123.2.{rank}")

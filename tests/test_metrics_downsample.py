@@ -9,12 +9,12 @@ from sqlalchemy.orm import Session
 from service import migrate
 from service.db import utcnow
 from service.jobs import service as jobs
-from service.jobs.spec import JobSpec
 from service.metrics import blocks
 from service.metrics import service as metrics
 from service.metrics.downsample import downsample
 from service.metrics.models import Metric, MetricBlock
 from tests.conftest import mlp_spec
+from trainjobs.spec import JobSpec
 
 
 def store(db_url: str, job_id: str, rows: list[tuple[int, str, float]], attempt: int = 1, node_rank: int = 0) -> None:

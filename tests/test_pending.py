@@ -8,12 +8,12 @@ from service import queue
 from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs import service as jobs
 from service.jobs.models import Job, JobEvent
-from service.jobs.spec import JobSpec
 from service.workers import fit, pending
 from service.workers import service as workers
 from service.workers.models import Worker
 from tests.conftest import QUEUE_PREFIX, mlp_spec
 from tests.helpers import queued_ids
+from trainjobs.spec import JobSpec
 
 
 def add_worker(db, name: str, *, slots: int = 1, device: str = "cpu", labels: dict | None = None,

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from service import plan
 from service.errors import InvalidRequest
-from service.jobs.spec import JobSpec
-from service.workers_registry import WorkerMemory
+from trainjobs import plan
+from trainjobs.plan import WorkerMemory
+from trainjobs.spec import JobSpec
 from worker.train.data import DataInfo
 from worker.train.models import build_model, loss_fn
 

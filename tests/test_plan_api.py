@@ -7,14 +7,15 @@ from datetime import timedelta
 
 from sqlalchemy import create_engine, update
 
-from service import cli, workers_registry
-from service.client import Client
+from service import cli
 from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs.models import Job
 from service.workers import service as workers
+from service.workers import service as workers_service
 from service.workers.models import Worker
 from tests.conftest import mlp_spec
 from tests.helpers import count_jobs
+from trainjobs.client import Client
 from worker import inventory
 
 BIG_GPT = {"type": "gpt", "n_layer": 24, "n_head": 16, "d_model": 2048, "seq_len": 1024, "vocab_size": 50257}
@@ -115,13 +116,13 @@ def test_worker_memory_round_trip_through_the_workers_table(settings, tmp_path, 
     stop = inventory.start_heartbeat(sessions, offer=offer, every_s=60, draining=lambda: False)
     try:
         with sessions() as db:
-            found = workers_registry.live_workers(db, lost_after_s=settings.lease_s)
+            found = workers_service.live_memory(db, lost_after_s=settings.lease_s)
         assert len(found) == 1 and found[0].device == "cuda" and found[0].gpu_count == 2
         assert found[0].gpu_memory_bytes == 40960 * 2**20 and found[0].host_memory_bytes > 0
     finally:
         stop()
     with sessions() as db:
-        assert workers_registry.live_workers(db, lost_after_s=settings.lease_s) == []  # a clean stop leaves at once
+        assert workers_service.live_memory(db, lost_after_s=settings.lease_s) == []  # a clean stop leaves at once
     engine.dispose()
 
 

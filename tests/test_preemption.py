@@ -10,14 +10,15 @@ import psutil
 import pytest
 from sqlalchemy import create_engine, select
 
-from service import storage
+from service.artifacts import service as storage
 from service.jobs.models import JobEvent
-from service.jobs.spec import JobSpec
 from service.stack import Stack
 from tests.conftest import mlp_spec
 from tests.helpers import live_stack, processes_of, run_torchrun, wait_for, wait_terminal
+from trainjobs import runenv
+from trainjobs.runenv import parse_record
+from trainjobs.spec import JobSpec
 from worker import launch, processes
-from worker.shipping import parse_record
 from worker.train.checkpoint import complete_checkpoints
 
 
@@ -34,7 +35,7 @@ def start_torchrun(spec: dict, run_dir, *, job_dir) -> subprocess.Popen:
     """The runtime under torchrun as the supervisor starts it (PREEMPT_SIGNAL ignored until a rank handles it)."""
     job_spec = JobSpec.model_validate(spec)
     (run_dir / "tmp").mkdir(parents=True)
-    (run_dir / launch.SPEC_FILE).write_text(job_spec.model_dump_json())
+    (run_dir / runenv.SPEC_FILE).write_text(job_spec.model_dump_json())
     plan = launch.render(job_spec, job_id="bare", attempt=1, run_dir=run_dir, python=sys.executable, data_dir=run_dir,
                          job_dir=job_dir, shutdown_grace_s=5, base_env=launch.default_env(), cpu_count=2)
     return subprocess.Popen(plan.argv, env=plan.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -50,8 +51,8 @@ def test_preempted_ranks_checkpoint_at_one_step_and_the_next_attempt_resumes_ont
     proc = start_torchrun(spec, tmp_path / "attempt-1", job_dir=job_dir)
     try:
         wait_for(lambda: len(read_records(tmp_path / "attempt-1")) >= 20, 120, interval=0.05, what="training")
-        assert processes.signal_ranks(proc.pid, launch.PREEMPT_SIGNAL) == 2
-        processes.signal_ranks(proc.pid, launch.PREEMPT_SIGNAL)  # a repeat changes nothing
+        assert processes.signal_ranks(proc.pid, runenv.PREEMPT_SIGNAL) == 2
+        processes.signal_ranks(proc.pid, runenv.PREEMPT_SIGNAL)  # a repeat changes nothing
         output = proc.communicate(timeout=60)[0].decode()
     finally:
         if proc.poll() is None:

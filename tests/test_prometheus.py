@@ -8,11 +8,11 @@ from sqlalchemy.orm import Session
 
 from service.db import make_engine, utcnow
 from service.jobs import service as jobs
-from service.jobs.status import JobStatus
 from service.metrics import service as metrics
 from service.workers import service as workers
 from service.workers.models import Worker
 from tests.conftest import admin_token, mlp_spec
+from trainjobs.states import JobStatus
 
 
 def scrape(client) -> dict[tuple[str, tuple], float]:

@@ -10,10 +10,10 @@ from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs import retries
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
-from service.jobs.spec import JobSpec
-from service.jobs.status import JobStatus
 from service.sweeper import expire_leases
 from tests.conftest import QUEUE_PREFIX, mlp_spec
+from trainjobs.spec import JobSpec
+from trainjobs.states import JobStatus
 from worker import agent
 from worker.supervisor import Outcome
 

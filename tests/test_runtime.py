@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from service.errors import InvalidRequest
-from service.jobs.spec import JobSpec, OptimizerConfig
 from tests.conftest import mlp_spec
+from trainjobs.spec import JobSpec, OptimizerConfig
 from worker.train.data import build_dataset
 from worker.train.models import build_model, loss_fn
 from worker.train.optim import lr_at

@@ -7,10 +7,10 @@ from datetime import timedelta
 from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs import service as jobs
 from service.jobs.models import Attempt
-from service.jobs.spec import JobSpec
-from service.jobs.status import JobStatus
 from service.logs import service as logs
 from tests.conftest import mlp_spec
+from trainjobs.spec import JobSpec
+from trainjobs.states import JobStatus
 from worker.launch import Gang
 from worker.shipping import LogShipper
 from worker.supervisor import Supervisor

@@ -6,8 +6,8 @@ import pytest
 
 from service import cli
 from service.auth.cli import parse_duration
-from service.client import Client, find_token
 from service.settings import Settings
+from trainjobs.client import Client, find_token
 
 
 def run(client, capsys, *argv: str) -> tuple[str, str]:

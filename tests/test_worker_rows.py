@@ -9,12 +9,12 @@ from service import cli, sweeper
 from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
-from service.jobs.spec import JobSpec
-from service.jobs.status import JobStatus
 from service.workers import service as workers
 from service.workers.models import Worker
 from tests.conftest import mlp_spec
 from tests.helpers import wait_for
+from trainjobs.spec import JobSpec
+from trainjobs.states import JobStatus
 from worker import agent, gang, inventory
 
 

@@ -18,13 +18,14 @@ from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs import retries
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
-from service.jobs.spec import JobSpec
-from service.jobs.status import JobStatus
 from service.settings import Settings, get_settings
 from service.workers import service as workers
+from trainjobs.runenv import SPEC_FILE
+from trainjobs.spec import JobSpec
+from trainjobs.states import JobStatus
 from worker import gang
 from worker.inventory import Offer, probe
-from worker.launch import SPEC_FILE, Gang
+from worker.launch import Gang
 from worker.root_cause import is_peer_error
 from worker.supervisor import Outcome, Supervisor
 

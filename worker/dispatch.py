@@ -19,10 +19,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.jobs.models import Job
-from service.jobs.status import JobStatus
 from service.queue import GANG, parse_node_task_id
 from service.workers import fit
 from service.workers import service as workers
+from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
 SCAN = 200  # entries looked at per queue and pass

@@ -26,11 +26,11 @@ from service.db import utcnow
 from service.jobs import retries
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
-from service.jobs.spec import JobSpec
-from service.jobs.status import JobStatus
 from service.settings import Settings
 from service.workers import fit
 from service.workers import service as workers
+from trainjobs.spec import JobSpec
+from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
 LIVE = (JobStatus.STARTING, JobStatus.RUNNING)

@@ -4,19 +4,14 @@ Also the check of an entrypoint job before it launches: the one part here that l
 """
 
 import os
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.errors import TrainjobsError
-from service.jobs.spec import JobSpec
-from service.storage import ARTIFACTS, CHECKPOINTS
+from trainjobs import runenv
+from trainjobs.errors import TrainjobsError
+from trainjobs.paths import ARTIFACTS, CHECKPOINTS
+from trainjobs.spec import JobSpec
 from worker.redact import rank_env
-
-SPEC_FILE = "spec.json"  # in the run dir: the resolved spec the ranks read
-RUN_TAG_ENV = "TRAINJOBS_RUN_TAG"  # every process of an attempt carries it: how cancel finds them all
-# The supervisor's "checkpoint and exit" to the ranks (SIGTERM stays the cancel path); also worker → work-horse.
-PREEMPT_SIGNAL = signal.SIGUSR1
 
 
 class EntrypointRefused(TrainjobsError):
@@ -82,13 +77,13 @@ def render(
     ]
     env = dict(base_env)
     env.update({
-        RUN_TAG_ENV: run_tag(job_id, attempt, gang.node_rank if gang else 0),
-        "TRAINJOBS_JOB_ID": job_id,
-        "TRAINJOBS_ATTEMPT": str(attempt),
-        "TRAINJOBS_DATA_DIR": str(data_dir.resolve()),
-        "TRAINJOBS_CHECKPOINT_DIR": str(job_dir / CHECKPOINTS),
-        "TRAINJOBS_ARTIFACTS_DIR": str(job_dir / ARTIFACTS),
-        "TRAINJOBS_METRICS_FILE": str(run_dir / "metrics.jsonl"),
+        runenv.RUN_TAG_ENV: run_tag(job_id, attempt, gang.node_rank if gang else 0),
+        runenv.JOB_ID_ENV: job_id,
+        runenv.ATTEMPT_ENV: str(attempt),
+        runenv.DATA_DIR_ENV: str(data_dir.resolve()),
+        runenv.CHECKPOINT_DIR_ENV: str(job_dir / CHECKPOINTS),
+        runenv.ARTIFACTS_DIR_ENV: str(job_dir / ARTIFACTS),
+        runenv.METRICS_FILE_ENV: str(run_dir / runenv.METRICS_FILE),
         "TORCHELASTIC_ERROR_FILE": str(run_dir / "error.json"),
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, int(shutdown_grace_s))),
         # torchrun leaves a torchelastic_* folder (and inductor caches) in TMPDIR: keep them in the run dir.

@@ -17,10 +17,10 @@ import worker.agent  # preloaded: each forked work-horse starts with it imported
 from service.db import make_engine, make_sessionmaker
 from service.queue import queue_names
 from service.settings import get_settings
+from trainjobs.runenv import PREEMPT_SIGNAL
 from worker.agent import request_preemption
 from worker.dispatch import Chooser, FittingQueue
 from worker.inventory import probe, start_heartbeat
-from worker.launch import PREEMPT_SIGNAL
 
 
 class PreemptingWorker(Worker):

@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from worker.launch import PREEMPT_SIGNAL, RUN_TAG_ENV
+from trainjobs.runenv import PREEMPT_SIGNAL, RUN_TAG_ENV
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1

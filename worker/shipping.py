@@ -1,7 +1,6 @@
 """Move what a run writes (output, metric lines) into the database in batches."""
 
 import codecs
-import json
 import os
 import threading
 from datetime import UTC, datetime
@@ -11,8 +10,8 @@ from sqlalchemy.orm import Session
 
 from service.logs import service as logs
 from service.metrics import service as metrics
+from trainjobs.runenv import parse_record
 from worker.redact import Redactor
-from worker.report import METRIC_NAME_MAX
 
 
 class OutputPump:
@@ -130,35 +129,3 @@ class MetricTail:
 
     def committed(self) -> None:
         self.pos = self._next_pos
-
-
-def parse_record(line: bytes) -> dict | None:
-    """One reporter line, or None for a line that is not one.
-
-    NOTE: a user's script can write anything to the metrics file; a bad line (one the database would
-    refuse, too) is skipped rather than retried forever.
-    """
-    try:
-        record = json.loads(line)
-        kind = record["type"]
-        if kind == "summary":
-            return record if isinstance(record["summary"], dict) else None
-        if kind == "progress":
-            return record if _is_step(record["total_steps"]) and record["total_steps"] > 0 else None
-        if kind in ("resumed", "preempted"):
-            return record if _is_step(record["step"]) else None
-        datetime.fromtimestamp(record["time"], UTC)
-        if kind == "metrics" and _is_step(record["step"]) and all(
-                len(name) <= METRIC_NAME_MAX and _is_number(value) for name, value in record["metrics"].items()):
-            return record
-    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, OSError):
-        pass
-    return None
-
-
-def _is_step(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -13,13 +13,13 @@ from pathlib import Path
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import storage
 from service.db import utcnow
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
-from service.jobs.spec import JobSpec
-from service.jobs.status import JobStatus
 from service.settings import Settings
+from trainjobs import paths, runenv
+from trainjobs.spec import JobSpec
+from trainjobs.states import JobStatus
 from worker import launch, processes
 from worker.root_cause import root_cause
 from worker.shipping import LogShipper, MetricTail, OutputPump
@@ -48,7 +48,7 @@ class Supervisor:
         self.job_id, self.attempt, self.run_dir, self.gang = job_id, attempt, run_dir, gang
         self.node_rank = gang.node_rank if gang else 0
         self.tag = launch.run_tag(job_id, attempt, self.node_rank)
-        self.metrics = MetricTail(run_dir / "metrics.jsonl")
+        self.metrics = MetricTail(run_dir / runenv.METRICS_FILE)
         self.cancel_requested = False
         self.lease_lost = False  # the sweeper gave the job away: stop, write nothing more
         self._renewed = -float("inf")  # when the lease was last renewed (monotonic)
@@ -64,7 +64,7 @@ class Supervisor:
                                                    scripts_dir=scripts_dir)
         except launch.EntrypointRefused as exc:  # before anything starts: the job fails, the worker goes on
             return Outcome(JobStatus.FAILED, error={"type": exc.kind, "message": exc.message, "rank": None})
-        job_dir = storage.job_dir(self.settings, self.job_id)
+        job_dir = paths.job_dir(self.settings.resolved_storage_dir, self.job_id)
         plan = launch.render(
             self.spec, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir, python=sys.executable,
             data_dir=self.settings.data_dir, job_dir=job_dir,
@@ -72,7 +72,7 @@ class Supervisor:
             base_env=launch.default_env(), cpu_count=os.cpu_count() or 1,
             scripts_dir=scripts_dir, entry_script=entry_script, gang=self.gang,
         )
-        for folder in (storage.CHECKPOINTS, storage.ARTIFACTS):  # a user's script may write straight into them
+        for folder in (paths.CHECKPOINTS, paths.ARTIFACTS):  # a user's script may write straight into them
             (job_dir / folder).mkdir(parents=True, exist_ok=True)
         (job_dir / "OWNER").write_text(str(self.attempt))  # a stale attempt's ranks then write no checkpoint
         (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
@@ -154,7 +154,7 @@ class Supervisor:
                 or now - self._preempt_since > self.settings.preempt_grace_s):
             return True
         if now - self._preempt_sent >= PREEMPT_RESEND_S:  # again: a rank still starting up ignores it
-            processes.signal_ranks(torchrun_pid, launch.PREEMPT_SIGNAL)
+            processes.signal_ranks(torchrun_pid, runenv.PREEMPT_SIGNAL)
             self._preempt_sent = now
         return False
 

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 examples/scripts/reported_ddp.py --steps 60
 
-worker.report is a no-op outside the service, so this runs under a bare torchrun too.
+trainjobs.report is a no-op outside the service, so this runs under a bare torchrun too.
 """
 
 import argparse
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from worker.report import artifacts_dir, report, summary
+from trainjobs import artifacts_dir, report, summary
 
 
 def main() -> None:

@@ -5,10 +5,10 @@ Revises:
 Create Date: 2026-12-02 12:56:37.069043
 """
 
-from alembic import op
 import sqlalchemy as sa
-import service.db
+from alembic import op
 
+import service.db
 
 revision = '0001'
 down_revision = None

@@ -4,7 +4,7 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
-from service import storage
+from service.artifacts import service as storage
 from service.auth.deps import JobIdDep
 from service.deps import SettingsDep
 from service.errors import ArtifactNotFound, responses

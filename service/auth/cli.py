@@ -7,7 +7,7 @@ import re
 from rich.console import Console
 from rich.table import Table
 
-from service.client import Client
+from trainjobs.client import Client
 
 err = Console(stderr=True)
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

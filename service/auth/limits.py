@@ -14,9 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.auth.tokens import Principal
 from service.errors import Forbidden, TrainjobsError
 from service.jobs.models import Job
-from service.jobs.spec import JobSpec
-from service.jobs.status import ACTIVE
 from service.settings import Settings
+from trainjobs.spec import JobSpec
+from trainjobs.states import ACTIVE
 
 log = logging.getLogger(__name__)
 WINDOW_S = 60.0

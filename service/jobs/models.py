@@ -32,7 +32,7 @@ class Job(Base):
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
-    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # service/plan.py's Plan
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # trainjobs/plan.py's Plan
     pending_reason: Mapped[str | None] = mapped_column(Text)  # why no worker takes it (the sweeper says)
 
     __table_args__ = (UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),)

@@ -4,7 +4,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response
 from redis.exceptions import RedisError
 
-from service import queue, workers_registry
+from service import queue
 from service.auth.deps import JobIdDep, PrincipalDep
 from service.auth.limits import check_submission
 from service.deps import RedisDep, SessionDep, SettingsDep
@@ -12,8 +12,9 @@ from service.errors import responses
 from service.etag import json_with_etag
 from service.jobs import service
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
-from service.jobs.spec import JobSpec
-from service.jobs.status import JobStatus
+from service.workers import service as worker_rows
+from trainjobs.spec import JobSpec
+from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -37,7 +38,7 @@ def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDe
     if job is None:
         check_submission(db, redis, settings, principal, spec)
         service.check_inputs(spec, data_dir=settings.data_dir)
-        workers = workers_registry.workers_for(db, spec=spec, lost_after_s=settings.lease_s)
+        workers = worker_rows.memory_for(db, spec=spec, lost_after_s=settings.lease_s)
         job, created = service.create_once(db, spec=spec, idempotency_key=idempotency_key, owner=owner,
                                            workers=workers)
     response.headers["Location"] = f"/v1/jobs/{job.id}"

@@ -35,7 +35,7 @@ class JobPublic(BaseModel):
     progress: Progress
     summary: dict[str, Any] | None
     error: dict[str, Any] | None
-    plan: dict[str, Any] | None  # the memory plan (service/plan.py); null for an entrypoint job
+    plan: dict[str, Any] | None  # the memory plan (trainjobs/plan.py); null for an entrypoint job
     memory: MemoryCheck | None
     created_at: datetime
     started_at: datetime | None

@@ -2,8 +2,6 @@
 
 import hashlib
 import json
-import secrets
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,38 +10,20 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import plan as memory_plan
 from service.db import utcnow
 from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound
 from service.jobs.models import Attempt, Job, JobEvent
-from service.jobs.spec import JobSpec
-from service.jobs.status import ALLOWED_FROM, JobStatus
-from service.workers_registry import WorkerMemory
+from trainjobs import plan as memory_plan
+from trainjobs.paths import is_job_id, new_job_id, resolve_data_path
+from trainjobs.plan import WorkerMemory
+from trainjobs.spec import JobSpec
+from trainjobs.states import ALLOWED_FROM, JobStatus
 
-JOB_ID_LEN = 20
 DEFAULT_OWNER = "admin"  # the owner of jobs made without a principal (tests, TRAINJOBS_AUTH=off)
-
-
-def new_job_id() -> str:
-    """A time-ordered id: 12 hex digits of milliseconds, then 8 random ones."""
-    return f"{int(time.time() * 1000):012x}{secrets.token_hex(4)}"
-
-
-def is_job_id(value: str) -> bool:
-    return len(value) == JOB_ID_LEN and all(c in "0123456789abcdef" for c in value)
 
 
 def record_event(db: Session, *, job_id: str, kind: str, detail: str | None = None) -> None:
     db.add(JobEvent(job_id=job_id, kind=kind, detail=detail, time=utcnow()))
-
-
-def resolve_data_path(path: str, data_dir: Path) -> Path:
-    """A dataset file under data_dir; a path that escapes it is refused."""
-    root = data_dir.resolve()
-    full = (root / path).resolve()
-    if not full.is_relative_to(root):
-        raise InvalidRequest(f"data.path {path!r} is outside the data directory", field="data.path")
-    return full
 
 
 def check_inputs(spec: JobSpec, *, data_dir: Path) -> None:

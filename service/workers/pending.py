@@ -11,9 +11,9 @@ from service import queue
 from service.db import utcnow
 from service.jobs import service as jobs
 from service.jobs.models import Job
-from service.jobs.status import JobStatus
 from service.workers import fit
 from service.workers import service as workers
+from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
 SCAN = 500  # queued jobs looked at per pass, oldest first

@@ -7,6 +7,8 @@ from sqlalchemy.orm import Session
 
 from service.db import utcnow
 from service.workers.models import Worker
+from trainjobs.plan import WorkerMemory
+from trainjobs.spec import JobSpec
 
 PRUNE_AFTER_S = 3600.0  # a lost worker stays listed (as lost) this long, then its row goes
 
@@ -68,3 +70,19 @@ def prune(db: Session, *, older_than_s: float = PRUNE_AFTER_S) -> int:
     """Forget workers lost for a long while (the caller commits)."""
     since = utcnow() - timedelta(seconds=older_than_s)
     return db.execute(delete(Worker).where(Worker.last_seen < since)).rowcount
+
+
+def live_memory(db: Session, *, lost_after_s: float) -> list[WorkerMemory]:
+    """Every worker heard from within lost_after_s, as the planner sees it (from the workers table)."""
+    return [WorkerMemory(device="cuda" if w.device == "cuda" else "cpu",
+                         gpu_count=w.slots if w.device == "cuda" else 0,
+                         gpu_memory_bytes=w.memory_bytes if w.device == "cuda" else None,
+                         host_memory_bytes=w.host_memory_bytes)
+            for w in live(db, lost_after_s=lost_after_s)]
+
+
+def memory_for(db: Session, *, spec: JobSpec, lost_after_s: float) -> list[WorkerMemory]:
+    """The live workers, when the plan needs them: a model to plan and no gpu_memory_gb in the spec."""
+    if spec.model is None or spec.resources.gpu_memory_gb:
+        return []
+    return live_memory(db, lost_after_s=lost_after_s)

@@ -23,10 +23,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from trainjobs.runenv import ATTEMPT_ENV
 from worker.train.distributed import Dist
 
-CHECKPOINT_DIR_ENV = "TRAINJOBS_CHECKPOINT_DIR"
-ARTIFACTS_DIR_ENV = "TRAINJOBS_ARTIFACTS_DIR"
 COMPLETE = "COMPLETE"
 OWNER = "OWNER"  # in the job's folder: the attempt that may write checkpoints
 PREFIX = "step_"
@@ -94,7 +93,7 @@ class Checkpointer:
         """Fencing: once a newer attempt owns the job's folder (this one was paused past its lease and the
         job given away), this attempt must not write there. The supervisor writes OWNER at launch."""
         owner = self.root.parent / OWNER
-        mine = os.environ.get("TRAINJOBS_ATTEMPT")
+        mine = os.environ.get(ATTEMPT_ENV)
         if mine and owner.is_file() and owner.read_text().strip() != mine:
             raise RuntimeError(f"attempt {mine} no longer owns the job (attempt {owner.read_text().strip()} does): "
                                "not writing a checkpoint")
@@ -123,11 +122,6 @@ def save_model(model: nn.Module, d: Dist, artifacts_dir: Path | None) -> Path | 
     torch.save(full, tmp)
     os.replace(tmp, path)
     return path
-
-
-def env_path(name: str) -> Path | None:
-    value = os.environ.get(name)
-    return Path(value) if value else None
 
 
 def _rng_state() -> dict:

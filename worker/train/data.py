@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
-from service.jobs.service import resolve_data_path
-from service.jobs.spec import DataConfig, JobSpec
+from trainjobs.paths import resolve_data_path
+from trainjobs.spec import DataConfig, JobSpec
 
 
 @dataclass(frozen=True)

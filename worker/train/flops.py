@@ -2,7 +2,7 @@
 
 import os
 
-from service.jobs.spec import GPTConfig, MLPConfig
+from trainjobs.spec import GPTConfig, MLPConfig
 
 PEAK_FLOPS_ENV = "TRAINJOBS_PEAK_FLOPS"  # per device; overrides the table below
 # Dense bf16 tensor-core peaks per device (no sparsity), from the vendors' data sheets.

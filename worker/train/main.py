@@ -12,16 +12,24 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from service.jobs.spec import JobSpec
-from worker.launch import SPEC_FILE
-from worker.train.checkpoint import ARTIFACTS_DIR_ENV, CHECKPOINT_DIR_ENV, Checkpointer, Position, env_path, save_model
+from trainjobs.runenv import (
+    ARTIFACTS_DIR_ENV,
+    ATTEMPT_ENV,
+    CHECKPOINT_DIR_ENV,
+    METRICS_FILE,
+    METRICS_FILE_ENV,
+    SPEC_FILE,
+    Reporter,
+    env_path,
+)
+from trainjobs.spec import JobSpec
+from worker.train.checkpoint import Checkpointer, Position, save_model
 from worker.train.data import BatchStream, DataInfo, build_dataset, split_eval
 from worker.train.distributed import cleanup_and_exit, init_distributed, mean_across_ranks, peak_memory_mb
 from worker.train.flops import flops_per_sample, mfu, peak_flops
 from worker.train.models import build_model, loss_fn
 from worker.train.optim import build_optimizer, lr_at
 from worker.train.preempt import Preemption
-from worker.train.report import METRICS_FILE_ENV, Reporter
 from worker.train.strategies import apply_strategy
 
 
@@ -65,7 +73,7 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
     if resumed_from is not None:
         reporter.resumed(resumed_from)  # each node's, for its attempt row
     fault = spec.fault_injection
-    attempt = int(os.environ.get("TRAINJOBS_ATTEMPT", "1"))
+    attempt = int(os.environ.get(ATTEMPT_ENV, "1"))
     fault_armed = fault is not None and d.rank == fault.rank and fault.attempt in (None, attempt)
     grad_clip = spec.optimizer.grad_clip or math.inf
 
@@ -200,7 +208,7 @@ def main() -> None:
     run_dir = Path(sys.argv[1])
     spec = JobSpec.model_validate_json((run_dir / SPEC_FILE).read_text())
     data_dir = Path(os.environ.get("TRAINJOBS_DATA_DIR", "./trainjobs-data"))
-    train(spec, data_dir, Path(os.environ.get(METRICS_FILE_ENV) or run_dir / "metrics.jsonl"))
+    train(spec, data_dir, Path(os.environ.get(METRICS_FILE_ENV) or run_dir / METRICS_FILE))
     cleanup_and_exit(0)
 
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.jobs.spec import GPTConfig, MLPConfig
+from trainjobs.spec import GPTConfig, MLPConfig
 from worker.train.data import DataInfo
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}

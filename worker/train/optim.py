@@ -5,7 +5,7 @@ import math
 import torch
 from torch import nn
 
-from service.jobs.spec import OptimizerConfig
+from trainjobs.spec import OptimizerConfig
 
 
 def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from worker.launch import PREEMPT_SIGNAL
+from trainjobs.runenv import PREEMPT_SIGNAL
 
 CHECK_EVERY_S = 0.1  # about this much training between two agreement checks
 MAX_INTERVAL = 1000  # steps

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from service.jobs.status import TERMINAL
+from trainjobs.states import TERMINAL
 
 log = logging.getLogger(__name__)
 # The server pings an open stream every 15 s (sse-starlette): a read silent for longer is a dead connection.

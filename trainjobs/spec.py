@@ -161,7 +161,7 @@ class JobSpec(_Strict):
     name: Name = "job"
     tags: list[Tag] = Field(default_factory=list, max_length=32, description="free labels, e.g. team=vision")
     strategy: Literal["ddp", "fsdp", "auto"] = Field(
-        "ddp", description="auto: DDP or FSDP from the memory plan (service/plan.py), stored as the choice")
+        "ddp", description="auto: DDP or FSDP from the memory plan (trainjobs/plan.py), stored as the choice")
     resources: Resources = Field(default_factory=Resources)
     model: ModelConfig | None = None
     data: DataConfig | None = None

@@ -1,32 +1,18 @@
-"""Where a job's checkpoints and artifacts live: one folder per job under TRAINJOBS_STORAGE_DIR.
-
-Every worker of a job must see the same folder (a shared filesystem in production), so a retry on
-another machine resumes from the checkpoints the first one wrote.
-"""
+"""A job's files as the API serves them: its artifacts folder (trainjobs/paths.py says where it is)."""
 
 from pathlib import Path
 
-from service.errors import InvalidRequest, JobNotFound
-from service.jobs.service import is_job_id
+from service.errors import InvalidRequest
 from service.settings import Settings
-
-CHECKPOINTS = "checkpoints"
-ARTIFACTS = "artifacts"
-
-
-def job_dir(settings: Settings, job_id: str) -> Path:
-    """The job's folder; the id is checked first so no path can be smuggled in through it."""
-    if not is_job_id(job_id):
-        raise JobNotFound(job_id)
-    return settings.resolved_storage_dir / "jobs" / job_id
+from trainjobs.paths import ARTIFACTS, CHECKPOINTS, job_dir
 
 
 def checkpoint_dir(settings: Settings, job_id: str) -> Path:
-    return job_dir(settings, job_id) / CHECKPOINTS
+    return job_dir(settings.resolved_storage_dir, job_id) / CHECKPOINTS
 
 
 def artifacts_dir(settings: Settings, job_id: str) -> Path:
-    return job_dir(settings, job_id) / ARTIFACTS
+    return job_dir(settings.resolved_storage_dir, job_id) / ARTIFACTS
 
 
 def artifact_path(settings: Settings, job_id: str, name: str) -> Path:

@@ -1,0 +1,60 @@
+"""The states of a job and of its attempts, the moves allowed between them, and the error types trainjobs names."""
+
+from enum import StrEnum
+
+
+class JobStatus(StrEnum):
+    """The status of a job within its lifecycle at any given time."""
+
+    QUEUED = "queued"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    def is_terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+ACTIVE = frozenset(JobStatus) - TERMINAL  # what counts against an owner's quota
+LIVE = frozenset({JobStatus.STARTING, JobStatus.RUNNING})  # held by a worker, under a lease
+
+# to-state -> the states it may be reached from (the WHERE of every compare-and-set).
+ALLOWED_FROM: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.QUEUED: frozenset({JobStatus.STARTING, JobStatus.RUNNING}),  # a retry
+    JobStatus.STARTING: frozenset({JobStatus.QUEUED}),
+    JobStatus.RUNNING: frozenset({JobStatus.STARTING}),
+    JobStatus.SUCCEEDED: frozenset({JobStatus.RUNNING}),
+    JobStatus.FAILED: frozenset({JobStatus.QUEUED, JobStatus.STARTING, JobStatus.RUNNING}),
+    JobStatus.CANCELLED: frozenset({JobStatus.QUEUED, JobStatus.STARTING, JobStatus.RUNNING}),
+}
+
+
+class AttemptStatus(StrEnum):
+    """One node of one attempt: active while its worker holds the lease, then closed once, for good."""
+
+    ACTIVE = "active"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"  # its lease expired: the worker died, hung or was cut off
+    PREEMPTED = "preempted"  # handed back (its worker shut down) or its gang did not form: no retry spent
+    STOPPED = "stopped"  # another node of its gang failed: no retry spent
+
+
+class ErrorType(StrEnum):
+    """The error types trainjobs itself names in a job's `error.type`.
+
+    A rank's own exception keeps its class name there instead (ValueError, torch.OutOfMemoryError, ...).
+    """
+
+    WORKER_LOST = "worker_lost"  # the attempt's lease expired
+    ATTEMPT_LOST = "attempt_lost"  # another attempt or a cancel took the job from under a running one
+    TIMEOUT = "timeout"  # ran past timeout_s
+    GANG_STOPPED = "gang_stopped"  # stopped because another node of the gang failed
+    PROCESS_EXIT = "process_exit"  # a rank exited non-zero without a Python traceback to name
+    ENTRYPOINT_DISABLED = "entrypoint_disabled"  # the worker does not run users' own code
+    INVALID_ENTRYPOINT = "invalid_entrypoint"  # the script path leaves the scripts directory
+    ENTRYPOINT_NOT_FOUND = "entrypoint_not_found"
