@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from service.db import utcnow
 from service.jobs.models import Attempt, Job
-from trainjobs.states import JobStatus
+from trainjobs.states import AttemptStatus, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def reconcile(db: Session, redis: Redis, *, prefix: str, min_age_s: float | None
         # A lost worker's RQ job still sits in its started registry; RQ's own cleanup would later mark
         # the id failed under the new attempt's feet.
         _forget_executions(redis, prefix=prefix, job_id=job.id, priority=job.priority)
-        enqueue(redis, prefix=prefix, job_id=job.id, priority=job.priority, timeout_s=job.spec.get("timeout_s", 3600))
+        enqueue(redis, prefix=prefix, job_id=job.id, priority=job.priority, timeout_s=job.spec.timeout_s)
         missing.append(job.id)
     if missing:
         log.info("enqueued %d queued job(s) that no queue held: %s", len(missing), missing)
@@ -122,7 +122,7 @@ def reconcile(db: Session, redis: Redis, *, prefix: str, min_age_s: float | None
 def _finishing(db: Session, redis: Redis, job_id: str, now) -> bool:
     """The previous attempt's work-horse is still wrapping up (it recorded the outcome a moment ago)."""
     finished = db.scalar(select(func.max(Attempt.finished_at)).where(Attempt.job_id == job_id,
-                                                                     Attempt.status != "lost"))
+                                                                     Attempt.status != AttemptStatus.LOST))
     if finished is None or (now - finished).total_seconds() > FINISHING_S:
         return False
     try:

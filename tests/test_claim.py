@@ -3,6 +3,7 @@
 from sqlalchemy import select
 
 from service.db import make_engine, make_sessionmaker
+from service.jobs import lifecycle
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
 from tests.conftest import mlp_spec
@@ -54,7 +55,7 @@ def test_outcome_of_a_stale_attempt_is_not_recorded(settings):
     job_id = new_job(sessions)
     agent.claim(sessions, settings=settings, job_id=job_id)
     with sessions() as db:
-        assert jobs.transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=1)
+        assert lifecycle.transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=1)
         db.commit()
     agent.record(sessions, job_id=job_id, attempt=7, outcome=Outcome(JobStatus.SUCCEEDED, 0, summary={}))
     with sessions() as db:
@@ -71,8 +72,8 @@ def test_terminal_states_never_change(settings):
     sessions = make_sessionmaker(engine)
     job_id = new_job(sessions)
     with sessions() as db:
-        assert jobs.transition(db, job_id=job_id, to=JobStatus.CANCELLED)
+        assert lifecycle.transition(db, job_id=job_id, to=JobStatus.CANCELLED)
         db.commit()
         for status in JobStatus:
-            assert not jobs.transition(db, job_id=job_id, to=status)
+            assert not lifecycle.transition(db, job_id=job_id, to=status)
     engine.dispose()

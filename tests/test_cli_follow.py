@@ -16,7 +16,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
-from service.jobs import service as jobs
+from service.jobs import lifecycle
 from service.logs import service as logs
 from service.metrics import service as metrics
 from tests.conftest import mlp_spec
@@ -75,7 +75,7 @@ def submit(stack, spec_file: str, *argv: str, api_url: str | None = None) -> tup
 
 
 def move(db: Session, job_id: str, to: JobStatus, **values) -> None:
-    assert jobs.transition(db, job_id=job_id, to=to, values=values)
+    assert lifecycle.transition(db, job_id=job_id, to=to, values=values)
     db.commit()
 
 

@@ -10,7 +10,7 @@ import uvicorn
 from sqlalchemy.orm import Session
 
 from service.db import make_engine, utcnow
-from service.jobs import service as jobs
+from service.jobs import lifecycle
 from service.main import create_app
 from service.metrics import service as metrics
 from tests.conftest import admin_token, mlp_spec
@@ -73,7 +73,7 @@ class Stream:
 
 
 def move(db: Session, job_id: str, to: JobStatus, **values) -> None:
-    assert jobs.transition(db, job_id=job_id, to=to, values=values)
+    assert lifecycle.transition(db, job_id=job_id, to=to, values=values)
     db.commit()
 
 

@@ -7,6 +7,7 @@ import pytest
 from sqlalchemy import select, update
 
 from service.db import make_engine, make_sessionmaker, utcnow
+from service.jobs import lifecycle
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
 from tests.conftest import mlp_spec
@@ -39,8 +40,8 @@ def claimed_gang(sessions, settings, monkeypatch, *, worker: str = "w0", nnodes:
 
 def look(sessions, settings, job_id: str, node_rank: int = 0) -> tuple[str | None, str]:
     with sessions() as db:
-        got = gang.check(db, settings=settings, job_id=job_id, attempt=1, node_rank=node_rank, offer=OFFER,
-                         address="127.0.0.1")
+        got = lifecycle.check_gang(db, job_id=job_id, attempt=1, node_rank=node_rank, lease_s=settings.lease_s,
+                                   gang_timeout_s=settings.gang_timeout_s, offer=OFFER, address="127.0.0.1")
         db.commit()
     return got
 
@@ -94,7 +95,7 @@ def test_a_cancel_while_forming_cancels_every_node(sessions, settings, monkeypat
     job_id = claimed_gang(sessions, settings, monkeypatch)
     gang.join(sessions, settings=settings, job_id=job_id, attempt=1, node_rank=1, worker="w1")
     with sessions() as db:
-        jobs.request_cancel(db, job_id=job_id)
+        lifecycle.request_cancel(db, job_id=job_id)
     assert look(sessions, settings, job_id, node_rank=1) == (None, "cancelled")
     with sessions() as db:
         assert db.get(Job, job_id).status == JobStatus.CANCELLED

@@ -7,7 +7,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from service.db import make_engine, utcnow
-from service.jobs import service as jobs
+from service.jobs import lifecycle
 from service.metrics import service as metrics
 from service.workers import service as workers
 from service.workers.models import Worker
@@ -80,9 +80,9 @@ def test_job_wait_and_duration_histograms_come_from_the_jobs_timestamps(client, 
     engine = make_engine(settings.database_url)
     with Session(engine) as db:
         for job_id, end in zip(ids[:2], (JobStatus.SUCCEEDED, JobStatus.FAILED), strict=True):
-            assert jobs.transition(db, job_id=job_id, to=JobStatus.STARTING, values={"started_at": utcnow()})
-            assert jobs.transition(db, job_id=job_id, to=JobStatus.RUNNING)
-            assert jobs.transition(db, job_id=job_id, to=end)
+            assert lifecycle.transition(db, job_id=job_id, to=JobStatus.STARTING, values={"started_at": utcnow()})
+            assert lifecycle.transition(db, job_id=job_id, to=JobStatus.RUNNING)
+            assert lifecycle.transition(db, job_id=job_id, to=end)
         db.commit()
     engine.dispose()
     got = scrape(client)

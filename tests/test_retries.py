@@ -7,10 +7,9 @@ from sqlalchemy import select, update
 
 from service import queue
 from service.db import make_engine, make_sessionmaker, utcnow
-from service.jobs import retries
+from service.jobs import lifecycle, retries
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
-from service.sweeper import expire_leases
 from tests.conftest import QUEUE_PREFIX, mlp_spec
 from trainjobs.spec import JobSpec
 from trainjobs.states import JobStatus
@@ -36,7 +35,7 @@ def running_job(sessions, settings, max_retries=1) -> str:
 def claim(sessions, settings, job_id) -> int:
     attempt, _ = agent.claim(sessions, settings=settings, job_id=job_id)
     with sessions() as db:
-        assert jobs.transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=attempt)
+        assert lifecycle.transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=attempt)
         db.commit()
     return attempt
 
@@ -98,11 +97,11 @@ def test_a_job_handed_back_on_shutdown_spends_no_retry(sessions, settings):
 def test_an_expired_lease_loses_the_attempt_and_fences_the_old_worker(sessions, settings):
     job_id = running_job(sessions, settings, max_retries=2)
     with sessions() as db:
-        assert expire_leases(db) == []  # the lease is still good
+        assert lifecycle.expire_leases(db) == []  # the lease is still good
         db.execute(update(Attempt).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
         db.commit()
-        assert expire_leases(db) == [job_id]
-        assert expire_leases(db) == []  # settled once
+        assert lifecycle.expire_leases(db) == [job_id]
+        assert lifecycle.expire_leases(db) == []  # settled once
     job, attempts = job_and_attempts(sessions, job_id)
     assert job.status == JobStatus.QUEUED and job.error["type"] == "worker_lost"
     assert attempts[0].status == "lost" and attempts[0].finished_at is not None

@@ -5,6 +5,7 @@ import time
 from datetime import timedelta
 
 from service.db import make_engine, make_sessionmaker, utcnow
+from service.jobs import lifecycle
 from service.jobs import service as jobs
 from service.jobs.models import Attempt
 from service.logs import service as logs
@@ -62,8 +63,9 @@ def test_a_gang_s_progress_is_node_0_s_or_a_node_that_is_ahead_of_it(settings, t
                                            train={"max_steps": 100, "log_every": 10}))
     with sessions() as db:
         job_id = jobs.create(db, spec=spec).id
-        assert jobs.transition(db, job_id=job_id, to=JobStatus.STARTING, values={"attempt": 1, "started_at": utcnow()})
-        assert jobs.transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=1)
+        assert lifecycle.transition(db, job_id=job_id, to=JobStatus.STARTING,
+                                    values={"attempt": 1, "started_at": utcnow()})
+        assert lifecycle.transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=1)
         for node in (0, 1):
             db.add(Attempt(job_id=job_id, number=1, worker=f"w{node}", node_rank=node, started_at=utcnow(),
                            lease_expires_at=utcnow() + timedelta(seconds=60)))

@@ -5,8 +5,9 @@ from datetime import timedelta
 
 from sqlalchemy import select, update
 
-from service import cli, sweeper
+from service import cli
 from service.db import make_engine, make_sessionmaker, utcnow
+from service.jobs import lifecycle
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
 from service.workers import service as workers
@@ -81,7 +82,7 @@ def test_a_member_lost_while_its_gang_forms_releases_the_gang_without_spending_a
         expired = utcnow() - timedelta(seconds=1)  # node 1's worker died while the gang waited
         db.execute(update(Attempt).where(Attempt.node_rank == 1).values(lease_expires_at=expired))
         db.commit()
-        assert sweeper.expire_leases(db) == [job.id]
+        assert lifecycle.expire_leases(db) == [job.id]
         row = db.scalars(select(Job).where(Job.id == job.id).execution_options(populate_existing=True)).one()
         assert row.status == JobStatus.QUEUED and "stopped renewing its lease" in row.pending_reason
         statuses = db.scalars(select(Attempt.status).where(Attempt.job_id == job.id)).all()

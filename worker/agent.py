@@ -5,19 +5,15 @@ import logging
 import os
 import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from redis import Redis
 from redis.exceptions import RedisError
-from sqlalchemy import or_
 from sqlalchemy.exc import OperationalError
 
 from service import queue
-from service.db import make_engine, make_sessionmaker, utcnow
-from service.jobs import retries
-from service.jobs import service as jobs
-from service.jobs.models import Attempt, Job
+from service.db import make_engine, make_sessionmaker
+from service.jobs import lifecycle
 from service.settings import Settings, get_settings
 from service.workers import service as workers
 from trainjobs.runenv import SPEC_FILE
@@ -137,28 +133,11 @@ def free_worker(sessions, *, job_id: str) -> None:
 
 
 def claim(sessions, *, settings: Settings, job_id: str) -> tuple[int, JobSpec] | None:
-    """queued → starting by compare-and-set, and open the attempt with its lease."""
+    """queued → starting, and open the attempt with its lease (service/jobs/lifecycle.py)."""
     with sessions() as db:
-        moved = jobs.transition(
-            db, job_id=job_id, to=JobStatus.STARTING, detail=f"claimed by {worker_name()}",
-            values={"attempt": Job.attempt + 1, "started_at": utcnow(), "pending_reason": None},
-            # NOTE: a retry dequeued before its backoff ended is left for the sweeper to enqueue again.
-            where=[Job.cancel_requested_at.is_(None), or_(Job.not_before.is_(None), Job.not_before <= utcnow())],
-        )
-        if not moved:
-            job = db.get(Job, job_id)
-            if job is not None and job.status == JobStatus.QUEUED and job.cancel_requested_at is not None:
-                jobs.transition(db, job_id=job_id, to=JobStatus.CANCELLED, detail="cancelled before start")
-                db.commit()
-            log.info("job %s not claimed (status %s)", job_id, job.status if job else "unknown")
-            return None
-        job = db.get(Job, job_id)
-        db.add(Attempt(job_id=job_id, number=job.attempt, worker=worker_name(), node_rank=0,
-                       started_at=utcnow(), lease_expires_at=utcnow() + timedelta(seconds=settings.lease_s)))
-        spec = JobSpec.model_validate(job.spec)
-        workers.occupy(db, worker_id=worker_name(), job_id=job_id, slots=spec.resources.nproc_per_node)
+        claimed = lifecycle.claim(db, job_id=job_id, worker=worker_name(), lease_s=settings.lease_s)
         db.commit()
-        return job.attempt, spec
+        return claimed
 
 
 def prepare_run_dir(settings: Settings, *, job_id: str, attempt: int, spec: JobSpec, node_rank: int = 0) -> Path:
@@ -184,22 +163,23 @@ def with_retries(fn, *, what: str, tries: int = 7, first_s: float = 0.5):
 def record(sessions, *, job_id: str, attempt: int, outcome: Outcome, node_rank: int = 0) -> None:
     """The final compare-and-set; fenced by attempt so a stale worker cannot overwrite a newer one.
 
-    A failure goes through the retry rule (service/jobs/retries.py): back to queued while retries remain
-    and the error is worth another try, else failed; in a gang it stops every other node too. A job handed
-    back on shutdown is requeued for free. A success or a cancel is the job's once its last node ends.
+    A failure goes through the retry rule (service/jobs/retries.py, in lifecycle.settle_failure): back to
+    queued while retries remain and the error is worth another try, else failed; in a gang it stops every
+    other node too. A job handed back on shutdown is requeued for free. A success or a cancel is the job's
+    once its last node ends.
     """
     with sessions() as db:
         if outcome.status == JobStatus.QUEUED:
-            moved = retries.hand_back(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
-                                      detail=outcome.detail or "handed back by its worker")
+            moved = lifecycle.hand_back(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
+                                        detail=outcome.detail or "handed back by its worker")
         elif outcome.status == JobStatus.FAILED:
-            moved = retries.settle_failure(db, job_id=job_id, attempt=attempt, error=outcome.error or {},
-                                           exit_code=outcome.exit_code, node_rank=node_rank) is not None
+            moved = lifecycle.settle_failure(db, job_id=job_id, attempt=attempt, error=outcome.error or {},
+                                             exit_code=outcome.exit_code, node_rank=node_rank) is not None
         else:
             # A success after retries keeps the earlier attempts' causes in `error`.
-            moved = retries.finish_node(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
-                                        status=outcome.status, summary=outcome.summary, error=outcome.error,
-                                        exit_code=outcome.exit_code)
+            moved = lifecycle.finish_node(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
+                                          status=outcome.status, summary=outcome.summary, error=outcome.error,
+                                          exit_code=outcome.exit_code)
         db.commit()
     if not moved:
         log.warning("job %s attempt %s node %s: outcome %s not recorded (the job moved on)", job_id, attempt,

@@ -14,11 +14,10 @@ from collections.abc import Iterable
 
 from redis import Redis
 from rq import Queue
-from rq.exceptions import DequeueTimeout
-from sqlalchemy import select
+from rq.exceptions import DequeueTimeout, NoSuchJobError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.jobs.models import Job
+from service.jobs import service as jobs
 from service.queue import GANG, parse_node_task_id
 from service.workers import fit
 from service.workers import service as workers
@@ -42,8 +41,7 @@ class Chooser:
         keys = {e: (parse_node_task_id(e) if gang else (e, None, None)) for e in entry_ids}
         # A gang's node task is looked at every pass: whether its gang still forms changes.
         job_ids = {k[0] for k in keys.values() if k and (gang or k[0] not in self.needs)}
-        rows = {r.id: r for r in db.execute(select(Job.id, Job.status, Job.attempt, Job.spec, Job.plan)
-                                            .where(Job.id.in_(job_ids)))} if job_ids else {}
+        rows = jobs.dispatch_view(db, job_ids=job_ids)
         if len(self.needs) > CACHE_MAX:
             self.needs.clear()
         live = None
@@ -100,8 +98,10 @@ class FittingQueue(Queue):
         for entry in wanted:
             if connection.lrem(queue.key, 1, entry) != 1:
                 continue  # another worker took it first
-            found = cls._fetch_dequeued_job(connection, queue.key, entry, job_class=job_class, serializer=serializer,
-                                            death_penalty_class=death_penalty_class)
-            if found is not None:
-                return found
+            try:  # RQ's public fetch, with the worker's job class and serializer (as its own dequeue does)
+                job = (job_class or queue.job_class).fetch(entry, connection=connection,
+                                                           serializer=serializer or queue.serializer)
+            except NoSuchJobError:  # its hash expired or was deleted: nothing to run
+                continue
+            return job, queue
         return None

@@ -11,13 +11,14 @@ from trainjobs import runenv
 from trainjobs.errors import TrainjobsError
 from trainjobs.paths import ARTIFACTS, CHECKPOINTS
 from trainjobs.spec import JobSpec
+from trainjobs.states import ErrorType
 from worker.redact import rank_env
 
 
 class EntrypointRefused(TrainjobsError):
     """A job's own code that this worker will not run; `kind` becomes the job's error type."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: ErrorType, message: str):
         super().__init__(message, field="entrypoint")
         self.kind = kind
 
@@ -127,8 +128,8 @@ def check_entrypoint(spec: JobSpec, *, allowed: bool, scripts_dir: Path) -> Path
     if spec.entrypoint is None:
         return None
     if not allowed:
-        raise EntrypointRefused("entrypoint_disabled", "this worker does not run users' own code (entrypoint jobs); "
-                                "start the worker with TRAINJOBS_ALLOW_ENTRYPOINTS=1 to allow them")
+        raise EntrypointRefused(ErrorType.ENTRYPOINT_DISABLED, "this worker does not run users' own code "
+                                "(entrypoint jobs); start the worker with TRAINJOBS_ALLOW_ENTRYPOINTS=1 to allow them")
     if spec.entrypoint.script is None:
         return None  # a module is found by Python at launch; a missing one fails the run with its ImportError
     return resolve_script(scripts_dir, spec.entrypoint.script)
@@ -139,14 +140,14 @@ def resolve_script(scripts_dir: Path, script: str) -> Path:
     root = scripts_dir.resolve()
     relative = Path(script)
     if not script or "\0" in script or relative.is_absolute() or ".." in relative.parts:
-        raise EntrypointRefused("invalid_entrypoint", f"entrypoint.script {script!r} must be a relative path "
+        raise EntrypointRefused(ErrorType.INVALID_ENTRYPOINT, f"entrypoint.script {script!r} must be a relative path "
                                 "inside the scripts directory (TRAINJOBS_SCRIPTS_DIR)")
     path = (root / relative).resolve()
     if not path.is_relative_to(root):
-        raise EntrypointRefused("invalid_entrypoint", f"entrypoint.script {script!r} points outside the scripts "
-                                "directory (TRAINJOBS_SCRIPTS_DIR)")
+        raise EntrypointRefused(ErrorType.INVALID_ENTRYPOINT, f"entrypoint.script {script!r} points outside the "
+                                "scripts directory (TRAINJOBS_SCRIPTS_DIR)")
     if not path.is_file():
-        raise EntrypointRefused("entrypoint_not_found", f"entrypoint.script {script!r} is not a file in the "
+        raise EntrypointRefused(ErrorType.ENTRYPOINT_NOT_FOUND, f"entrypoint.script {script!r} is not a file in the "
                                 f"worker's scripts directory {root} (TRAINJOBS_SCRIPTS_DIR)")
     return path
 

@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+from trainjobs.states import ErrorType
+
 # Errors a rank reports when a *peer* died: never the root cause when another rank has one.
 PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
                "SignalException", "Broken pipe")
@@ -35,7 +37,7 @@ def root_cause(run_dir: Path, exit_code: int | None, *, excerpt: str, entrypoint
                    if exit_code else "training ended without a summary")
         if entrypoint:  # no @record in a user's script: its traceback is in the logs
             message = f"the entrypoint exited with code {exit_code}; its output is in the job's logs"
-        return {"type": "process_exit", "message": message, "rank": None, "exit_code": exit_code,
+        return {"type": ErrorType.PROCESS_EXIT, "message": message, "rank": None, "exit_code": exit_code,
                 "excerpt": excerpt, **where}
     _, raised_at, local_rank, message, stack = min(candidates)
     kind, _, text = message.partition(": ")

@@ -7,25 +7,20 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import utcnow
-from service.jobs import service as jobs
-from service.jobs.models import Attempt, Job
+from service.jobs import lifecycle
 from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec
-from trainjobs.states import JobStatus
+from trainjobs.states import ErrorType, JobStatus
 from worker import launch, processes
 from worker.root_cause import root_cause
 from worker.shipping import LogShipper, MetricTail, OutputPump
 
 log = logging.getLogger(__name__)
-LIVE = (JobStatus.STARTING, JobStatus.RUNNING)
 PREEMPT_RESEND_S = 1.0  # how often a preemption request is repeated to the ranks until they act on it
 
 
@@ -89,8 +84,8 @@ class Supervisor:
         try:
             moved = self.gang is not None  # a gang turned running when it formed (worker/gang.py)
             with self.sessions() as db:
-                moved = moved or jobs.transition(db, job_id=self.job_id, to=JobStatus.RUNNING, attempt=self.attempt,
-                                                 detail=f"torchrun pid {proc.pid}")
+                moved = moved or lifecycle.start_running(db, job_id=self.job_id, attempt=self.attempt,
+                                                         detail=f"torchrun pid {proc.pid}")
                 db.commit()
             stop_reason = None if moved else "lost"
             started = time.monotonic()
@@ -161,44 +156,35 @@ class Supervisor:
     def _ship(self, pump: OutputPump) -> None:
         """Move new output and metrics to the database, renew the lease, read the cancel flag.
 
-        Fenced: the job row is locked and checked first, so once the sweeper has given the job to a new
-        attempt (this worker was paused or cut off past its lease) nothing more is written for this one.
+        Fenced (lifecycle.hold): once the sweeper has given the job to a new attempt (this worker was paused or
+        cut off past its lease) nothing more is written for this one.
         """
         self.logs.stage(pump.take())
         try:
             with self.sessions() as db:
-                job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at, Job.progress)
-                                 .where(Job.id == self.job_id).with_for_update()).one_or_none()
                 renew = time.monotonic() - self._renewed >= self.settings.heartbeat_s
-                expires = (utcnow() + timedelta(seconds=self.settings.lease_s + self._lease_extra_s) if renew
-                           else Attempt.lease_expires_at)
-                lease = db.execute(update(Attempt).where(
-                    Attempt.job_id == self.job_id, Attempt.number == self.attempt, Attempt.node_rank == self.node_rank,
-                    Attempt.status == "active",
-                ).values(lease_expires_at=expires))
-                if job is None or job.attempt != self.attempt or job.status not in LIVE or lease.rowcount != 1:
+                held = lifecycle.hold(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
+                                      lease_s=self.settings.lease_s + self._lease_extra_s if renew else None)
+                if held is None:
                     db.rollback()
                     self.lease_lost = True
                     return
                 self.logs.write(db)
                 self.metrics.write(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
                 if self.metrics.resumed_from_step is not None:
-                    db.execute(update(Attempt).where(Attempt.job_id == self.job_id, Attempt.number == self.attempt,
-                                                     Attempt.node_rank == self.node_rank)
-                               .values(resumed_from_step=self.metrics.resumed_from_step))
+                    lifecycle.record_resume(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
+                                            step=self.metrics.resumed_from_step)
                 # Every node's local rank 0 reports its own series; node 0's is the job's, and its progress once
                 # it has reported. Another node's moves progress only when it is ahead: a user's script that
                 # reports on global rank 0 alone (RANK == 0) reports from whichever node c10d gave that rank.
-                stored = (job.progress or {}).get("step") or 0
-                if (self.gang is None or self.metrics.last_step > stored
+                if (self.gang is None or self.metrics.last_step > held.progress_step
                         or (self.node_rank == 0 and self.metrics.last_step > 0)):
-                    db.execute(update(Job).where(Job.id == self.job_id, Job.attempt == self.attempt)
-                               .values(progress=self._progress()))
+                    lifecycle.record_progress(db, job_id=self.job_id, attempt=self.attempt, progress=self._progress())
                 db.commit()
             self.logs.committed()
             self.metrics.committed()
             self._renewed = time.monotonic() if renew else self._renewed
-            self.cancel_requested = job.cancel_requested_at is not None
+            self.cancel_requested = held.cancel_requested
         except Exception:  # noqa: BLE001 - a database blip must never kill a healthy run
             log.exception("shipping for job %s failed; will retry", self.job_id)
 
@@ -213,11 +199,11 @@ class Supervisor:
         if stop_reason == "cancelled":
             return Outcome(JobStatus.CANCELLED, exit_code, killed_pids=killed)
         if stop_reason == "timeout":
-            error = {"type": "timeout", "message": f"job ran past timeout_s={self.spec.timeout_s:g}",
+            error = {"type": ErrorType.TIMEOUT, "message": f"job ran past timeout_s={self.spec.timeout_s:g}",
                      "rank": None, "exit_code": exit_code}
             return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
         if stop_reason == "lost":
-            error = {"type": "attempt_lost", "message": "another attempt or a cancel took the job",
+            error = {"type": ErrorType.ATTEMPT_LOST, "message": "another attempt or a cancel took the job",
                      "rank": None, "exit_code": exit_code}
             return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
         # The built-in runtime always ends with a summary; a user's script need not report at all.

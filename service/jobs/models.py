@@ -5,8 +5,28 @@ from typing import Any
 
 from sqlalchemy import JSON, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 from service.db import Base, UTCDateTime, utcnow
+from trainjobs.spec import JobSpec
+from trainjobs.states import AttemptStatus
+
+
+class SpecJSON(TypeDecorator):
+    """A JobSpec stored as JSON and read back as a JobSpec: the spec keeps one shape from the API to the ranks.
+
+    NOTE: a stored spec is validated on every read, so a change to JobSpec must keep old specs valid (new
+    fields get defaults) or come with a migration that rewrites them.
+    """
+
+    impl = JSON
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        return value.model_dump(mode="json") if isinstance(value, JobSpec) else value
+
+    def process_result_value(self, value, dialect):
+        return JobSpec.model_validate(value) if value is not None else None
 
 
 class Job(Base):
@@ -16,7 +36,7 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     owner: Mapped[str] = mapped_column(String(128), default="admin")
     name: Mapped[str] = mapped_column(String(128))
-    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    spec: Mapped[JobSpec] = mapped_column(SpecJSON)
     spec_hash: Mapped[str] = mapped_column(String(64))  # of the spec as submitted: an idempotent retry's check
     status: Mapped[str] = mapped_column(String(16), index=True)
     priority: Mapped[str] = mapped_column(String(8))
@@ -46,8 +66,7 @@ class Attempt(Base):
     number: Mapped[int] = mapped_column(Integer)
     worker: Mapped[str] = mapped_column(String(256))
     node_rank: Mapped[int] = mapped_column(Integer, default=0)
-    # active, then succeeded | failed | cancelled | lost (its lease expired) | preempted (handed back)
-    status: Mapped[str] = mapped_column(String(16), default="active")
+    status: Mapped[str] = mapped_column(String(16), default=AttemptStatus.ACTIVE)  # trainjobs.states.AttemptStatus
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

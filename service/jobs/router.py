@@ -10,7 +10,7 @@ from service.auth.limits import check_submission
 from service.deps import RedisDep, SessionDep, SettingsDep
 from service.errors import responses
 from service.etag import json_with_etag
-from service.jobs import service
+from service.jobs import lifecycle, service
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
 from service.workers import service as worker_rows
 from trainjobs.spec import JobSpec
@@ -78,7 +78,7 @@ def read_job(job_id: JobIdDep, request: Request, db: SessionDep):
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404, 409))
 def cancel_job(job_id: JobIdDep, db: SessionDep, redis: RedisDep, settings: SettingsDep):
     """A queued job is cancelled at once; a running one once its supervisor has killed every process."""
-    job, was_queued = service.request_cancel(db, job_id=job_id)
+    job, was_queued = lifecycle.request_cancel(db, job_id=job_id)
     if was_queued:
         try:
             queue.drop(redis, prefix=settings.queue_prefix, job_id=job.id, priority=job.priority)

@@ -6,6 +6,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from service.jobs.models import Job
+from trainjobs.states import AttemptStatus
 
 
 class Progress(BaseModel):
@@ -45,11 +46,11 @@ class JobPublic(BaseModel):
 
     @classmethod
     def of(cls, job: Job) -> "JobPublic":
-        total = None if job.spec.get("entrypoint") else job.spec["train"]["max_steps"]
+        total = None if job.spec.entrypoint else job.spec.train.max_steps
         progress = {"total_steps": total, **(job.progress or {})}
         return cls(
             id=job.id, name=job.name, owner=job.owner, status=job.status, priority=job.priority,
-            spec=job.spec, attempt=job.attempt, max_retries=job.max_retries,
+            spec=job.spec.model_dump(mode="json"), attempt=job.attempt, max_retries=job.max_retries,
             progress=Progress(**progress), summary=job.summary, error=job.error,
             plan=job.plan, memory=memory_check(job),
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
@@ -64,7 +65,7 @@ class JobsPublic(BaseModel):
 
 
 def memory_check(job: Job) -> MemoryCheck | None:
-    estimate = (job.plan or {}).get(job.spec.get("strategy"), {}).get("total_bytes")
+    estimate = (job.plan or {}).get(job.spec.strategy, {}).get("total_bytes")
     peak = (job.summary or {}).get("peak_mem_mb")
     if estimate is None and peak is None:
         return None
@@ -76,7 +77,7 @@ class AttemptPublic(BaseModel):
     number: int
     worker: str
     node_rank: int
-    status: str  # active | succeeded | failed | cancelled | lost | preempted
+    status: AttemptStatus
     started_at: datetime
     finished_at: datetime | None
     lease_expires_at: datetime | None

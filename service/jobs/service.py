@@ -2,22 +2,21 @@
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import Row, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
-from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound
+from service.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from service.jobs.models import Attempt, Job, JobEvent
 from trainjobs import plan as memory_plan
 from trainjobs.paths import is_job_id, new_job_id, resolve_data_path
 from trainjobs.plan import WorkerMemory
 from trainjobs.spec import JobSpec
-from trainjobs.states import ALLOWED_FROM, JobStatus
+from trainjobs.states import JobStatus
 
 DEFAULT_OWNER = "admin"  # the owner of jobs made without a principal (tests, TRAINJOBS_AUTH=off)
 
@@ -54,7 +53,7 @@ def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: S
         id=new_job_id(),
         owner=owner,
         name=spec.name,
-        spec=spec.model_dump(mode="json"),
+        spec=spec,
         spec_hash=spec_hash,
         idempotency_key=idempotency_key,
         status=JobStatus.QUEUED,
@@ -105,6 +104,14 @@ def get(db: Session, *, job_id: str) -> Job:
     return job
 
 
+def dispatch_view(db: Session, *, job_ids: Collection[str]) -> dict[str, Row]:
+    """What a worker's dequeue looks at, per job: id, status, attempt, spec and plan (one query)."""
+    if not job_ids:
+        return {}
+    return {r.id: r for r in db.execute(select(Job.id, Job.status, Job.attempt, Job.spec, Job.plan)
+                                        .where(Job.id.in_(list(job_ids))))}
+
+
 def list_jobs(
     db: Session, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None,
     owner: str | None = None,
@@ -124,61 +131,6 @@ def list_jobs(
     return jobs[:limit], next_cursor
 
 
-def transition(
-    db: Session,
-    *,
-    job_id: str,
-    to: JobStatus,
-    values: dict[str, Any] | None = None,
-    attempt: int | None = None,
-    where: list | None = None,
-    detail: str | None = None,
-) -> bool:
-    """Compare-and-set the status; False means someone else moved the job first."""
-    query = update(Job).where(Job.id == job_id, Job.status.in_(ALLOWED_FROM[to]), *(where or []))
-    if attempt is not None:  # fencing: only the attempt that holds the job may move it
-        query = query.where(Job.attempt == attempt)
-    changes = dict(values or {})
-    if to.is_terminal():
-        changes.setdefault("finished_at", utcnow())
-    result = db.execute(query.values(status=to, **changes).execution_options(synchronize_session=False))
-    if result.rowcount != 1:
-        return False
-    record_event(db, job_id=job_id, kind=to, detail=detail)
-    return True
-
-
 def attempts_of(db: Session, *, job_id: str) -> list[Attempt]:
     get(db, job_id=job_id)
     return list(db.scalars(select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number, Attempt.node_rank)))
-
-
-def request_cancel(db: Session, *, job_id: str) -> tuple[Job, bool]:
-    """Cancel a queued job at once, or ask the supervisor of a running one to stop it.
-
-    Returns the job and whether it was queued (so the caller drops it from the queue).
-    """
-    job = get(db, job_id=job_id)
-    if job.status == JobStatus.QUEUED and transition(
-        db, job_id=job_id, to=JobStatus.CANCELLED, detail="cancelled while queued"
-    ):
-        db.commit()
-        db.refresh(job)
-        return job, True
-    result = db.execute(
-        update(Job)
-        .where(
-            Job.id == job_id,
-            Job.status.in_([JobStatus.STARTING, JobStatus.RUNNING, JobStatus.QUEUED]),
-            Job.cancel_requested_at.is_(None),
-        )
-        .values(cancel_requested_at=utcnow())
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount == 1:
-        record_event(db, job_id=job_id, kind="cancel_requested")
-    db.commit()
-    db.refresh(job)
-    if job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED):
-        raise InvalidTransition(f"job {job_id} already {job.status}; it cannot be cancelled", field="status")
-    return job, False

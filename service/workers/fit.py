@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from trainjobs.spec import JobSpec
+
 GiB = 2**30
 
 
@@ -30,16 +32,15 @@ class Need:
     nodes: int = 1
 
 
-def need_of(spec: dict[str, Any], plan: dict[str, Any] | None) -> Need:
-    """What one node of the job needs, from its stored spec and memory plan."""
-    res = spec.get("resources", {})
-    nproc = res.get("nproc_per_node", 1)
-    estimate = (plan or {}).get(spec.get("strategy"), {}).get("total_bytes") if plan else None
+def need_of(spec: JobSpec, plan: dict[str, Any] | None) -> Need:
+    """What one node of the job needs, from its spec and stored memory plan."""
+    res = spec.resources
+    estimate = (plan or {}).get(spec.strategy, {}).get("total_bytes") if plan else None
     memory_device = (plan or {}).get("device")
     if estimate is not None and memory_device == "cpu":
-        estimate *= nproc  # the plan is per rank; on a CPU host the ranks share one memory
-    return Need(device=res.get("device", "cpu"), slots=nproc, memory_bytes=estimate, memory_device=memory_device,
-                labels=dict(res.get("selector") or {}), nodes=res.get("nnodes", 1))
+        estimate *= res.nproc_per_node  # the plan is per rank; on a CPU host the ranks share one memory
+    return Need(device=res.device, slots=res.nproc_per_node, memory_bytes=estimate, memory_device=memory_device,
+                labels=dict(res.selector), nodes=res.nnodes)
 
 
 def misfit(need: Need, worker: Offer) -> str | None:

@@ -53,7 +53,7 @@ def age(db: Session, redis: Redis, *, prefix: str, aging_s: float) -> list[str]:
         if done:
             jobs.record_event(db, job_id=job_id, kind="aged",
                               detail=f"waited over {aging_s:g}s: priority {priority} → {UP[priority]}")
-            moved.append((job_id, priority, spec.get("timeout_s", 3600)))
+            moved.append((job_id, priority, spec.timeout_s))
     db.commit()
     for job_id, priority, timeout_s in moved:
         old = queue.get_queue(redis, prefix, priority)

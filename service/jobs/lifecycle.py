@@ -1,0 +1,407 @@
+"""Every change of a job's status and of its attempts, once: each a compare-and-set (DESIGN.md, rule 3).
+
+The API (cancel), the sweeper (expired leases) and the worker (claim, join, form a gang, hold the lease
+while shipping, finish, fail, hand back) change state only through these functions, so the rules below
+live here and nowhere else:
+
+- Lock order: a transaction that changes a job and its attempts locks the job's row first (lock_job), so
+  the nodes of a gang, the sweeper and the API never deadlock on each other's attempt rows.
+- Fencing: a move names the attempt it belongs to (`Job.attempt == attempt`); a stale worker whose job was
+  given to a newer attempt changes nothing.
+- Leases: an attempt's node holds the job while its lease (the database's time, `lease_s` ahead) is fresh;
+  closing one as lost needs it still expired in the UPDATE itself, so a renewal that raced the sweeper wins.
+- An attempt is settled once: close_attempt moves only an `active` row.
+
+The caller commits (except where a docstring says otherwise); zero rows moved means someone else won.
+"""
+
+import logging
+import socket
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.db import utcnow
+from service.errors import InvalidTransition
+from service.jobs import retries
+from service.jobs.models import Attempt, Job
+from service.jobs.service import get, record_event
+from service.workers import fit
+from service.workers import service as workers
+from trainjobs.spec import JobSpec
+from trainjobs.states import ALLOWED_FROM, LIVE, AttemptStatus, ErrorType, JobStatus
+
+log = logging.getLogger(__name__)
+
+
+def lock_job(db: Session, job_id: str) -> Job | None:
+    """The job's row, locked for this transaction (SQLite locks the whole file on the first write instead)."""
+    return db.scalars(select(Job).where(Job.id == job_id).with_for_update()
+                      .execution_options(populate_existing=True)).first()
+
+
+def lease_until(lease_s: float) -> datetime:
+    return utcnow() + timedelta(seconds=lease_s)
+
+
+def active_nodes(db: Session, *, job_id: str, attempt: int) -> int:
+    """How many nodes of the attempt are still active (1 for a running single-node job)."""
+    return db.scalar(select(func.count()).select_from(Attempt).where(
+        Attempt.job_id == job_id, Attempt.number == attempt, Attempt.status == AttemptStatus.ACTIVE))
+
+
+def transition(db: Session, *, job_id: str, to: JobStatus, values: dict[str, Any] | None = None,
+               attempt: int | None = None, where: list | None = None, detail: str | None = None) -> bool:
+    """Compare-and-set the job's status from the states ALLOWED_FROM `to`; False means someone else moved it."""
+    query = update(Job).where(Job.id == job_id, Job.status.in_(ALLOWED_FROM[to]), *(where or []))
+    if attempt is not None:  # fencing: only the attempt that holds the job may move it
+        query = query.where(Job.attempt == attempt)
+    changes = dict(values or {})
+    if to.is_terminal():
+        changes.setdefault("finished_at", utcnow())
+    result = db.execute(query.values(status=to, **changes).execution_options(synchronize_session=False))
+    if result.rowcount != 1:
+        return False
+    record_event(db, job_id=job_id, kind=to, detail=detail)
+    return True
+
+
+# --- the API -------------------------------------------------------------------------------------------------
+
+def request_cancel(db: Session, *, job_id: str) -> tuple[Job, bool]:
+    """Cancel a queued job at once, or ask the supervisors of a started one to stop it. Commits.
+
+    Returns the job and whether it was queued (so the caller drops it from the queue).
+    """
+    job = get(db, job_id=job_id)
+    # NOTE: the WHERE names queued again: a claim may have committed since the read above.
+    if job.status == JobStatus.QUEUED and transition(db, job_id=job_id, to=JobStatus.CANCELLED,
+                                                     where=[Job.status == JobStatus.QUEUED],
+                                                     detail="cancelled while queued"):
+        db.commit()
+        db.refresh(job)
+        return job, True
+    asked = db.execute(update(Job).where(Job.id == job_id, Job.status.in_([*LIVE, JobStatus.QUEUED]),
+                                         Job.cancel_requested_at.is_(None))
+                       .values(cancel_requested_at=utcnow()).execution_options(synchronize_session=False))
+    if asked.rowcount == 1:
+        record_event(db, job_id=job_id, kind="cancel_requested")
+    db.commit()
+    db.refresh(job)
+    if job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED):
+        raise InvalidTransition(f"job {job_id} already {job.status}; it cannot be cancelled", field="status")
+    return job, False
+
+
+# --- a worker takes a job ------------------------------------------------------------------------------------
+
+def claim(db: Session, *, job_id: str, worker: str, lease_s: float) -> tuple[int, JobSpec] | None:
+    """queued → starting, and open attempt N+1 (node 0) with its lease; None if the job is not there to take.
+
+    A queued job whose cancel was asked is cancelled here instead.
+    """
+    moved = transition(
+        db, job_id=job_id, to=JobStatus.STARTING, detail=f"claimed by {worker}",
+        values={"attempt": Job.attempt + 1, "started_at": utcnow(), "pending_reason": None},
+        # NOTE: a retry dequeued before its backoff ended is left for the sweeper to enqueue again.
+        where=[Job.cancel_requested_at.is_(None), or_(Job.not_before.is_(None), Job.not_before <= utcnow())],
+    )
+    job = db.get(Job, job_id, populate_existing=True)
+    if not moved:
+        if job is not None and job.status == JobStatus.QUEUED and job.cancel_requested_at is not None:
+            transition(db, job_id=job_id, to=JobStatus.CANCELLED, detail="cancelled before start")
+        log.info("job %s not claimed (status %s)", job_id, job.status if job else "unknown")
+        return None
+    db.add(Attempt(job_id=job_id, number=job.attempt, worker=worker, node_rank=0, started_at=utcnow(),
+                   status=AttemptStatus.ACTIVE, lease_expires_at=lease_until(lease_s)))
+    spec = job.spec
+    workers.occupy(db, worker_id=worker, job_id=job_id, slots=spec.resources.nproc_per_node)
+    return job.attempt, spec
+
+
+def join(db: Session, *, job_id: str, attempt: int, node_rank: int, worker: str, lease_s: float) -> JobSpec | None:
+    """Take node `node_rank` of the gang forming for `attempt`; None when it formed, moved on or is taken.
+
+    The unique (job, attempt, node) makes a second join of the same node fail; that rolls the transaction back.
+    """
+    job = lock_job(db, job_id)
+    if (job is None or job.status != JobStatus.STARTING or job.attempt != attempt
+            or job.cancel_requested_at is not None):
+        log.info("node task %s/%s/%s skipped (the job moved on)", job_id, attempt, node_rank)
+        return None
+    spec = job.spec
+    db.add(Attempt(job_id=job_id, number=attempt, worker=worker, node_rank=node_rank, started_at=utcnow(),
+                   status=AttemptStatus.ACTIVE, lease_expires_at=lease_until(lease_s)))
+    try:
+        db.flush()
+    except IntegrityError:  # that node is taken already
+        db.rollback()
+        return None
+    workers.occupy(db, worker_id=worker, job_id=job_id, slots=spec.resources.nproc_per_node)
+    record_event(db, job_id=job_id, kind="node_joined", detail=f"node {node_rank} on {worker}")
+    return spec
+
+
+def check_gang(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: float, gang_timeout_s: float,
+               offer: fit.Offer, address: str) -> tuple[str | None, str]:
+    """One look at a forming gang, renewing this node's lease: (endpoint, "formed"), (None, "waiting"), or
+    (None, why) for lost | cancelled | timeout | yielded.
+
+    Node 0 forms it once every node is in: it picks a free port on its address, records the endpoint and
+    moves the job to running. A gang not formed in gang_timeout_s, or younger than another forming gang
+    that could use this worker, lets every node go (so two half-formed gangs never deadlock).
+    """
+    job = lock_job(db, job_id)
+    if job is None or job.attempt != attempt or job.status not in LIVE:
+        return None, "lost"
+    if not renew_lease(db, job_id=job_id, attempt=attempt, node_rank=node_rank, lease_s=lease_s):
+        return None, "lost"
+    if job.cancel_requested_at is not None:
+        if transition(db, job_id=job_id, to=JobStatus.CANCELLED, attempt=attempt,
+                      detail="cancelled while its gang was forming"):
+            close_gang(db, job_id=job_id, attempt=attempt, why="cancelled", status=AttemptStatus.CANCELLED)
+        return None, "cancelled"
+    if job.status == JobStatus.RUNNING:
+        return db.scalar(select(Attempt.endpoint).where(Attempt.job_id == job_id, Attempt.number == attempt,
+                                                         Attempt.node_rank == 0)), "formed"
+    nnodes = job.spec.resources.nnodes
+    members = active_nodes(db, job_id=job_id, attempt=attempt)
+    waited = (utcnow() - job.started_at).total_seconds()
+    if node_rank == 0 and members == nnodes:
+        endpoint = f"{address}:{free_port(address)}"
+        db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt, Attempt.node_rank == 0)
+                   .values(endpoint=endpoint))
+        transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=attempt,
+                   detail=f"gang of {nnodes} formed in {waited:.1f}s; rendezvous at {endpoint}")
+        return endpoint, "formed"
+    if waited > gang_timeout_s:
+        release_gang(db, job_id=job_id, attempt=attempt,
+                     why=f"gang not formed in {gang_timeout_s:g}s ({members} of {nnodes} nodes)")
+        return None, "timeout"
+    older = older_forming_gang(db, job=job, offer=offer)
+    if older is not None:
+        release_gang(db, job_id=job_id, attempt=attempt, why=f"yielded its workers to the older forming gang {older}")
+        return None, "yielded"
+    return None, "waiting"
+
+
+def free_port(address: str) -> int:
+    """A port free on `address` now (torchrun on node 0 binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def older_forming_gang(db: Session, *, job: Job, offer: fit.Offer) -> str | None:
+    """A gang that began forming before this one, still lacks nodes, and could use this worker."""
+    for other in db.scalars(select(Job).where(Job.status == JobStatus.STARTING, Job.id != job.id,
+                                              Job.started_at <= job.started_at)):
+        if (other.started_at, other.id) >= (job.started_at, job.id):
+            continue
+        need = fit.need_of(other.spec, other.plan)
+        if need.nodes < 2 or fit.misfit(need, offer) is not None:
+            continue
+        if active_nodes(db, job_id=other.id, attempt=other.attempt) < need.nodes:
+            return other.id
+    return None
+
+
+def release_gang(db: Session, *, job_id: str, attempt: int, why: str) -> bool:
+    """A gang that did not form lets every node go; the job goes back to the queue at once, no retry spent."""
+    if not transition(db, job_id=job_id, to=JobStatus.QUEUED, attempt=attempt, detail=why,
+                      where=[Job.status == JobStatus.STARTING],
+                      values={"not_before": utcnow(), "pending_reason": why}):
+        return False
+    close_gang(db, job_id=job_id, attempt=attempt, why=why, status=AttemptStatus.PREEMPTED)
+    log.info("job %s attempt %s: %s", job_id, attempt, why)
+    return True
+
+
+# --- while it runs -------------------------------------------------------------------------------------------
+
+def start_running(db: Session, *, job_id: str, attempt: int, detail: str) -> bool:
+    """starting → running, once the ranks are launched (a gang moved when it formed)."""
+    return transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=attempt, detail=detail)
+
+
+def renew_lease(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: float | None) -> bool:
+    """Push this node's lease lease_s ahead (None: leave it, only check); False once the node is closed."""
+    expires = lease_until(lease_s) if lease_s is not None else Attempt.lease_expires_at
+    return db.execute(update(Attempt).where(
+        Attempt.job_id == job_id, Attempt.number == attempt, Attempt.node_rank == node_rank,
+        Attempt.status == AttemptStatus.ACTIVE).values(lease_expires_at=expires)).rowcount == 1
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a node that still holds its job learns on each renewal."""
+
+    cancel_requested: bool
+    progress_step: int  # the job's progress as stored (a gang's nodes move it in turn)
+
+
+def hold(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: float | None) -> Held | None:
+    """Lock the job, confirm this node of `attempt` still holds it and renew its lease; None once it is lost.
+
+    The supervisor writes the attempt's logs and metrics in the same transaction, after this: once the
+    sweeper has given the job to a newer attempt (this worker was paused or cut off past its lease),
+    nothing more is written for this one. On None the caller rolls back.
+    """
+    job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at, Job.progress)
+                     .where(Job.id == job_id).with_for_update()).one_or_none()
+    renewed = renew_lease(db, job_id=job_id, attempt=attempt, node_rank=node_rank, lease_s=lease_s)
+    if job is None or job.attempt != attempt or job.status not in LIVE or not renewed:
+        return None
+    return Held(cancel_requested=job.cancel_requested_at is not None,
+                progress_step=(job.progress or {}).get("step") or 0)
+
+
+def record_progress(db: Session, *, job_id: str, attempt: int, progress: dict) -> None:
+    db.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt).values(progress=progress))
+
+
+def record_resume(db: Session, *, job_id: str, attempt: int, node_rank: int, step: int) -> None:
+    """The attempt's ranks loaded the checkpoint of `step`."""
+    db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt,
+                                     Attempt.node_rank == node_rank).values(resumed_from_step=step))
+
+
+# --- an attempt ends -----------------------------------------------------------------------------------------
+
+def close_attempt(db: Session, *, job_id: str, attempt: int, status: AttemptStatus, error: dict | None = None,
+                  exit_code: int | None = None, node_rank: int = 0) -> bool:
+    """Close the attempt (on one node) if it is still active; False if someone else closed it first.
+
+    Closing it as lost also needs its lease still expired: a renewal that raced the sweeper's read wins.
+    """
+    expired = [Attempt.lease_expires_at < utcnow()] if status == AttemptStatus.LOST else []
+    return db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt,
+                                            Attempt.node_rank == node_rank, Attempt.status == AttemptStatus.ACTIVE,
+                                            *expired)
+                      .values(status=status, finished_at=utcnow(), lease_expires_at=None, error=error,
+                              exit_code=exit_code)).rowcount == 1
+
+
+def close_gang(db: Session, *, job_id: str, attempt: int, why: str,
+               status: AttemptStatus = AttemptStatus.STOPPED) -> int:
+    """Close every node of the attempt still active ("stopped": not counted against max_retries)."""
+    return db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt,
+                                            Attempt.status == AttemptStatus.ACTIVE)
+                      .values(status=status, finished_at=utcnow(), lease_expires_at=None,
+                              error={"type": ErrorType.GANG_STOPPED,
+                                     "message": f"stopped with its gang ({why})"})).rowcount
+
+
+def finish_node(db: Session, *, job_id: str, attempt: int, node_rank: int, status: JobStatus,
+                summary: dict | None, error: dict | None, exit_code: int | None) -> bool:
+    """A node ended well (or was cancelled): close it; the last node of the gang moves the job.
+
+    The job row is locked first, so of two nodes finishing at once exactly one sees the other closed.
+    A single-node job is a gang of one. Returns whether the job moved (or this node's end was recorded).
+    """
+    job = lock_job(db, job_id)
+    if job is None or job.attempt != attempt:
+        return False
+    if not close_attempt(db, job_id=job_id, attempt=attempt, status=AttemptStatus(status.value), error=error,
+                         exit_code=exit_code, node_rank=node_rank):
+        return False
+    if summary is not None:  # the node whose rank 0 reported it
+        db.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt).values(summary=summary))
+    if active_nodes(db, job_id=job_id, attempt=attempt):
+        return True
+    values = {"error": error} if error else {}
+    return transition(db, job_id=job_id, to=status, attempt=attempt, values=values,
+                      detail=(error or {}).get("message"))
+
+
+def settle_failure(db: Session, *, job_id: str, attempt: int, error: dict,
+                   attempt_status: AttemptStatus = AttemptStatus.FAILED, exit_code: int | None = None,
+                   node_rank: int = 0) -> JobStatus | None:
+    """Close the attempt (this node of it) as failed or lost, then requeue the job or fail it (the retry rule,
+    service/jobs/retries.py); None if the job moved on. The other nodes of a gang are closed as stopped: their
+    supervisors see it and stop their ranks.
+    """
+    job = lock_job(db, job_id)
+    if job is None:
+        return None
+    earlier = history(db, job_id)
+    if not close_attempt(db, job_id=job_id, attempt=attempt, status=attempt_status, error=error,
+                         exit_code=exit_code, node_rank=node_rank):
+        return None  # already settled (the sweeper found it lost, or the worker recorded it): never twice
+    close_gang(db, job_id=job_id, attempt=attempt, why=f"node {node_rank}: {error.get('message')}")
+    failures = db.scalar(select(func.count()).select_from(Attempt).where(
+        Attempt.job_id == job_id, Attempt.status.in_(retries.COUNTED)))
+    causes = [*({"attempt": e["attempt"], "type": e.get("type"), "message": e.get("message")} for e in earlier),
+              {"attempt": attempt, "type": error.get("type"), "message": error.get("message")}]
+    recorded = {**error, "attempts": causes}
+    if failures <= job.max_retries and retries.is_retryable(error, earlier) and job.cancel_requested_at is None:
+        wait = retries.wait_s(error, failures)
+        if transition(db, job_id=job_id, to=JobStatus.QUEUED, attempt=attempt,
+                      detail=f"retry {failures}/{job.max_retries} in {wait:.0f}s: {error.get('message')}",
+                      values={"error": recorded, "not_before": utcnow() + timedelta(seconds=wait),
+                              "queued_at": utcnow()}):
+            return JobStatus.QUEUED
+    moved = transition(db, job_id=job_id, to=JobStatus.FAILED, attempt=attempt, detail=error.get("message"),
+                       values={"error": recorded})
+    return JobStatus.FAILED if moved else None
+
+
+def history(db: Session, job_id: str) -> list[dict]:
+    """Every earlier attempt's error, oldest first."""
+    rows = db.execute(select(Attempt.number, Attempt.error).where(Attempt.job_id == job_id, Attempt.error.is_not(None))
+                      .order_by(Attempt.number)).all()
+    return [{"attempt": n, **e} for n, e in rows if e]
+
+
+def hand_back(db: Session, *, job_id: str, attempt: int, detail: str, node_rank: int = 0) -> bool:
+    """A worker shutting down returns the job (its whole gang) to the queue: not a failure, no retry spent."""
+    lock_job(db, job_id)
+    if not close_attempt(db, job_id=job_id, attempt=attempt, status=AttemptStatus.PREEMPTED, node_rank=node_rank):
+        return False
+    close_gang(db, job_id=job_id, attempt=attempt, why=f"node {node_rank}: {detail}")
+    if transition(db, job_id=job_id, to=JobStatus.QUEUED, attempt=attempt, detail=detail,
+                  values={"not_before": utcnow(), "queued_at": utcnow()}, where=[Job.cancel_requested_at.is_(None)]):
+        return True
+    # A cancel came in while the ranks were stopping: it wins, and the job must not stay running.
+    return transition(db, job_id=job_id, to=JobStatus.CANCELLED, attempt=attempt,
+                      detail="cancelled while its worker was shutting down",
+                      where=[Job.cancel_requested_at.is_not(None)])
+
+
+# --- the sweeper ---------------------------------------------------------------------------------------------
+
+def expire_leases(db: Session) -> list[str]:
+    """Attempts whose worker stopped renewing: the attempt is lost; the job is retried or failed. Commits.
+
+    A gang still forming has run nothing: it lets its other nodes go, and no retry is spent.
+    """
+    now = utcnow()
+    rows = db.execute(
+        select(Attempt.job_id, Attempt.number, Attempt.node_rank, Attempt.worker, Attempt.lease_expires_at,
+               Job.status, Job.spec)
+        .join(Job, Job.id == Attempt.job_id)
+        .where(Attempt.status == AttemptStatus.ACTIVE, Attempt.lease_expires_at < now, Job.attempt == Attempt.number,
+               Job.status.in_(LIVE))
+    ).all()
+    settled = []
+    for job_id, number, node_rank, worker, expired, job_status, spec in rows:
+        message = f"worker {worker} stopped renewing its lease ({(now - expired).total_seconds():.1f}s past expiry)"
+        if job_status == JobStatus.STARTING and spec.resources.nnodes > 1:
+            if release_gang(db, job_id=job_id, attempt=number, why=f"node {node_rank}: {message}"):
+                settled.append(job_id)
+                log.warning("job %s attempt %s: worker %s lost while its gang formed; job queued", job_id, number,
+                            worker)
+            continue
+        error = {"type": ErrorType.WORKER_LOST, "rank": None, "worker": worker, "node_rank": node_rank,
+                 "message": message}
+        status = settle_failure(db, job_id=job_id, attempt=number, error=error, attempt_status=AttemptStatus.LOST,
+                                node_rank=node_rank)
+        if status is not None:
+            settled.append(job_id)
+            log.warning("job %s attempt %s: worker %s lost; job %s", job_id, number, worker, status)
+    db.commit()
+    return settled
