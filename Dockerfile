@@ -46,6 +46,7 @@ print('\n'.join(p['dependencies'] + p['optional-dependencies']['worker']))" > /t
  && rm /tmp/requirements.txt
 
 # 3. The code, package by package (there is no .dockerignore: nothing else of the context comes in).
+COPY trainjobs ./trainjobs
 COPY service ./service
 COPY worker ./worker
 COPY migrations ./migrations
@@ -55,7 +56,7 @@ COPY migrations ./migrations
 RUN pip install '.[worker]' \
  && rm -rf build ./*.egg-info \
  && trainjobs --help > /dev/null \
- && python -P -c "import service.main, worker.main, worker.agent, worker.train.main, migrations, torch.distributed.run"
+ && python -P -c "import trainjobs.client, service.api.app, worker.main, worker.agent, worker.train.main, migrations, torch.distributed.run"
 
 # Datasets (job spec paths are relative to it) and the workers' run dirs. Created and chowned before VOLUME,
 # so that a new named volume mounted here starts out owned by the trainjobs user.

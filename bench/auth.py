@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import percentile, postgres_url, redis_url  # noqa: E402
 from service import migrate  # noqa: E402
+from service.api.app import create_app  # noqa: E402
 from service.auth import tokens  # noqa: E402
 from service.auth.models import ApiToken, User  # noqa: E402
 from service.db import make_engine, make_sessionmaker  # noqa: E402
 from service.jobs.models import Job  # noqa: E402
-from service.main import create_app  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 SPEC = {"name": "auth-bench", "model": {"type": "mlp", "hidden": [16]},

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from service.cli.stack import Stack
 from service.settings import Settings
-from service.stack import Stack
 from trainjobs import runenv
 from trainjobs.states import TERMINAL
 

@@ -1,7 +1,5 @@
 """Engine, sessions and the declarative base shared by every domain's models."""
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 
 from sqlalchemy import DateTime, Engine, create_engine, event
@@ -54,15 +52,3 @@ def make_engine(url: str) -> Engine:
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
-
-
-@contextmanager
-def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
-    """A session that commits on success and rolls back on error."""
-    with factory() as session:
-        try:
-            yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise

@@ -9,7 +9,7 @@ from redis import Redis
 from sqlalchemy import create_engine, text
 
 from service import migrate
-from service.main import create_app
+from service.api.app import create_app
 from service.models import Base
 from service.settings import Settings
 
@@ -81,6 +81,13 @@ def client(settings, redis) -> TestClient:
     """A TestClient on the app, carrying the admin token."""
     with TestClient(create_app(settings)) as c:
         c.headers["Authorization"] = f"Bearer {admin_token(settings)}"
+        yield c
+
+
+@pytest.fixture
+def api(stack):
+    """A client with the admin token on the module's live `stack` (tests.helpers.module_stack)."""
+    with stack.client(timeout=10) as c:
         yield c
 
 

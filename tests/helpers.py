@@ -10,10 +10,11 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from sqlalchemy import create_engine, func, select
 
 from service.jobs.models import Job
-from service.queue import PRIORITIES, get_queue
+from service.jobs.queue import PRIORITIES, get_queue
 from trainjobs import runenv
 from trainjobs.runenv import RUN_TAG_ENV
 from trainjobs.states import TERMINAL
@@ -31,8 +32,8 @@ def count_jobs(url: str) -> int:
 @contextmanager
 def live_stack(postgres_url: str, data_dir: Path, *, name: str, workers: int = 1, **overrides):
     """A real API and real workers on PostgreSQL and the test Redis, with quick supervision settings."""
+    from service.cli.stack import Stack
     from service.settings import Settings
-    from service.stack import Stack
     from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables
 
     _empty_tables(postgres_url)
@@ -40,6 +41,23 @@ def live_stack(postgres_url: str, data_dir: Path, *, name: str, workers: int = 1
                            "queue_prefix": f"{QUEUE_PREFIX}{name}", "cancel_grace_s": 3, "poll_s": 0.2, **overrides})
     with Stack(settings, port=free_port(), workers=workers) as stack:
         yield stack
+
+
+def module_stack(name: str, *, worker_args: list[str] | None = None, **overrides):
+    """A module-scoped `stack` fixture: one live API (and `workers`, with `worker_args`) for every test of a
+    module; conftest's `api` fixture is a client on it. Usage: `stack = module_stack("e2e", lease_s=3)`."""
+
+    @pytest.fixture(scope="module")
+    def stack(postgres_url, tmp_path_factory):
+        settings = dict(overrides)
+        workers = settings.pop("workers", 1)
+        with live_stack(postgres_url, tmp_path_factory.mktemp(name), name=name,
+                        workers=0 if worker_args else workers, **settings) as s:
+            if worker_args:
+                s.add_workers(workers, args=worker_args)
+            yield s
+
+    return stack
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ from rq.serializers import JSONSerializer
 from sqlalchemy import create_engine, func, select
 
 from service.jobs.models import Job, JobEvent
-from service.queue import JOB_FUNCTION
+from service.jobs.queue import JOB_FUNCTION
 from tests.conftest import QUEUE_PREFIX, admin_token, mlp_spec
 
 
@@ -98,9 +98,9 @@ def test_job_is_accepted_even_when_redis_is_down_and_reconciled_later(settings, 
     """The row is the truth: an enqueue failure loses nothing, the reconcile pass enqueues it."""
     from fastapi.testclient import TestClient
 
-    from service import queue
+    from service.api.app import create_app
     from service.db import make_engine, make_sessionmaker
-    from service.main import create_app
+    from service.jobs import queue
 
     down = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
     with TestClient(create_app(down)) as c:

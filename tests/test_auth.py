@@ -7,9 +7,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
+from service.api.app import create_app
 from service.auth import tokens
 from service.db import utcnow
-from service.main import create_app
 from tests.conftest import mlp_spec
 
 JOB_ID = "0123456789abcdef0123"

@@ -3,7 +3,7 @@ tables and logs a person reads."""
 
 import json
 
-from service import cli
+from service.cli import main as cli
 from service.db import make_engine, make_sessionmaker
 from service.logs import service as logs
 from service.workers import service as workers

@@ -2,8 +2,8 @@
 
 from rq.serializers import JSONSerializer
 
-from service import queue
 from service.db import make_engine, make_sessionmaker
+from service.jobs import queue
 from service.jobs import service as jobs
 from tests.conftest import QUEUE_PREFIX, mlp_spec
 from tests.helpers import queued_ids

@@ -11,20 +11,9 @@ import pytest
 
 from service.artifacts import service as storage
 from tests.conftest import mlp_spec
-from tests.helpers import live_stack, processes_of, wait_for, wait_terminal
+from tests.helpers import module_stack, processes_of, wait_for, wait_terminal
 
-
-@pytest.fixture(scope="module")
-def stack(postgres_url, tmp_path_factory):
-    with live_stack(postgres_url, tmp_path_factory.mktemp("e2e"), name="e2e") as s:
-        yield s
-
-
-@pytest.fixture
-def api(stack):
-    with stack.client(timeout=10) as client:
-        yield client
-
+stack = module_stack("e2e")
 
 
 def test_cli_submit_follow_runs_ddp_job_to_success_with_metrics_and_logs(stack, api, tmp_path):

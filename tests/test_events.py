@@ -9,9 +9,9 @@ import pytest
 import uvicorn
 from sqlalchemy.orm import Session
 
+from service.api.app import create_app
 from service.db import make_engine, utcnow
 from service.jobs import lifecycle
-from service.main import create_app
 from service.metrics import service as metrics
 from tests.conftest import admin_token, mlp_spec
 from tests.helpers import free_port, wait_for

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import create_engine, func, select
 
+from service.api.app import create_app
 from service.jobs.models import Job
-from service.main import create_app
 from tests.conftest import admin_token, mlp_spec
 
 json_values = st.recursive(

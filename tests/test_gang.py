@@ -12,18 +12,14 @@ from sqlalchemy import create_engine, select
 
 from service.jobs.models import JobEvent
 from tests.conftest import mlp_spec
-from tests.helpers import live_stack, processes_of, run_torchrun, wait_for, wait_terminal
+from tests.helpers import module_stack, processes_of, run_torchrun, wait_for, wait_terminal
 
 LEASE_S = 4.0
 GANG_TIMEOUT_S = 8.0
 
 
-@pytest.fixture(scope="module")
-def stack(postgres_url, tmp_path_factory):
-    with live_stack(postgres_url, tmp_path_factory.mktemp("gang"), name="gang", workers=0, lease_s=LEASE_S,
-                    heartbeat_s=0.5, sweep_s=0.5, gang_timeout_s=GANG_TIMEOUT_S) as s:
-        s.add_workers(2, args=["--slots", "1"])
-        yield s
+stack = module_stack("gang", workers=2, worker_args=["--slots", "1"], lease_s=LEASE_S, heartbeat_s=0.5,
+                     sweep_s=0.5, gang_timeout_s=GANG_TIMEOUT_S)
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, select
 
+from service.cli.stack import Stack
 from service.db import utcnow
 from service.jobs.models import Job
 from service.settings import Settings
-from service.stack import Stack
 from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables, mlp_spec
 from tests.helpers import free_port, queued_ids, wait_for
 

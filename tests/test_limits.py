@@ -3,7 +3,7 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from service.main import create_app
+from service.api.app import create_app
 from tests.conftest import admin_token, mlp_spec
 from tests.helpers import count_jobs
 from tests.test_auth import make_token

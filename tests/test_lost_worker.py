@@ -12,27 +12,17 @@ import psutil
 import pytest
 from sqlalchemy import create_engine, func, select
 
+from service.cli.stack import Stack
 from service.jobs.models import Attempt
 from service.logs.models import LogChunk
 from service.metrics.models import Metric
-from service.stack import Stack
 from tests.conftest import mlp_spec
-from tests.helpers import live_stack, processes_of, wait_for, wait_terminal
+from tests.helpers import module_stack, processes_of, wait_for, wait_terminal
 
 LEASE_S = 4.0
 
 
-@pytest.fixture(scope="module")
-def stack(postgres_url, tmp_path_factory):
-    with live_stack(postgres_url, tmp_path_factory.mktemp("lost"), name="lost", workers=2, lease_s=LEASE_S,
-                    heartbeat_s=0.5, sweep_s=0.5) as s:
-        yield s
-
-
-@pytest.fixture
-def api(stack):
-    with stack.client(timeout=10) as client:
-        yield client
+stack = module_stack("lost", workers=2, lease_s=LEASE_S, heartbeat_s=0.5, sweep_s=0.5)
 
 
 def long_job(**overrides) -> dict:

@@ -7,7 +7,7 @@ import zlib
 import pytest
 from rq.serializers import JSONSerializer
 
-from service.queue import get_queue
+from service.jobs.queue import get_queue
 from tests.conftest import QUEUE_PREFIX, mlp_spec
 
 

@@ -4,8 +4,8 @@ from datetime import timedelta
 
 from sqlalchemy import select, update
 
-from service import queue
 from service.db import make_engine, make_sessionmaker, utcnow
+from service.jobs import queue
 from service.jobs import service as jobs
 from service.jobs.models import Job, JobEvent
 from service.workers import fit, pending

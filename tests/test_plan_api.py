@@ -7,7 +7,7 @@ from datetime import timedelta
 
 from sqlalchemy import create_engine, update
 
-from service import cli
+from service.cli import main as cli
 from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs.models import Job
 from service.workers import service as workers

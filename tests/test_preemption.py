@@ -11,10 +11,10 @@ import pytest
 from sqlalchemy import create_engine, select
 
 from service.artifacts import service as storage
+from service.cli.stack import Stack
 from service.jobs.models import JobEvent
-from service.stack import Stack
 from tests.conftest import mlp_spec
-from tests.helpers import live_stack, processes_of, run_torchrun, wait_for, wait_terminal
+from tests.helpers import module_stack, processes_of, run_torchrun, wait_for, wait_terminal
 from trainjobs import runenv
 from trainjobs.runenv import parse_record
 from trainjobs.spec import JobSpec
@@ -80,16 +80,7 @@ def test_the_preempted_record_is_shipped_not_skipped():
     assert parse_record(b'{"type": "preempted", "time": 1.0, "step": -1}') is None
 
 
-@pytest.fixture(scope="module")
-def stack(postgres_url, tmp_path_factory):
-    with live_stack(postgres_url, tmp_path_factory.mktemp("preempt"), name="pre", reconcile_s=1, sweep_s=0.5) as s:
-        yield s
-
-
-@pytest.fixture
-def api(stack):
-    with stack.client(timeout=10) as client:
-        yield client
+stack = module_stack("pre", reconcile_s=1, sweep_s=0.5)
 
 
 def live_worker(stack: Stack) -> subprocess.Popen:

@@ -110,7 +110,7 @@ def test_request_latency_is_labelled_by_route_template_method_and_status_class(c
 def test_each_app_has_its_own_registry(settings, redis):
     from fastapi.testclient import TestClient
 
-    from service.main import create_app
+    from service.api.app import create_app
 
     for _ in range(2):  # a second app would raise "Duplicated timeseries" on a shared registry
         with TestClient(create_app(settings)) as c:
@@ -131,7 +131,7 @@ def test_event_streams_are_not_request_latency(client):
 def test_a_scrape_with_redis_down_still_answers_from_the_database(settings, redis):
     from fastapi.testclient import TestClient
 
-    from service.main import create_app
+    from service.api.app import create_app
 
     down = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
     with TestClient(create_app(down)) as c:

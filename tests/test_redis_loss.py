@@ -4,9 +4,9 @@ import time
 
 from sqlalchemy import create_engine, select
 
+from service.cli.stack import Stack
 from service.jobs.models import Attempt
 from service.settings import Settings
-from service.stack import Stack
 from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables, mlp_spec
 from tests.helpers import free_port, queued_ids, wait_terminal
 

@@ -5,9 +5,8 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select, update
 
-from service import queue
 from service.db import make_engine, make_sessionmaker, utcnow
-from service.jobs import lifecycle, retries
+from service.jobs import lifecycle, queue, retries
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job
 from tests.conftest import QUEUE_PREFIX, mlp_spec

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from service.main import create_app
+from service.api.app import create_app
 from service.settings import Settings
 from tests.conftest import POSTGRES_URL, QUEUE_PREFIX, REDIS_URL, _empty_tables, admin_token
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from service import cli
-from service.auth.cli import parse_duration
+from service.cli import main as cli
+from service.cli.tokens import parse_duration
 from service.settings import Settings
 from trainjobs.client import Client, find_token
 

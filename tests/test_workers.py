@@ -8,27 +8,15 @@ worker claims it; a worker that fits arrives and runs it.
 import signal
 import time
 
-import pytest
-
 from tests.conftest import mlp_spec
-from tests.helpers import live_stack, wait_for, wait_terminal
+from tests.helpers import module_stack, wait_for, wait_terminal
 
 LEASE_S = 3.0
 FIELDS = {"id", "host", "address", "device", "slots", "busy_slots", "memory_gb", "labels", "state", "current_job",
           "last_seen"}
 
 
-@pytest.fixture(scope="module")
-def stack(postgres_url, tmp_path_factory):
-    with live_stack(postgres_url, tmp_path_factory.mktemp("workers"), name="workers", workers=0, lease_s=LEASE_S,
-                    heartbeat_s=0.5, sweep_s=0.5) as s:
-        yield s
-
-
-@pytest.fixture
-def api(stack):
-    with stack.client(timeout=10) as client:
-        yield client
+stack = module_stack("workers", workers=0, lease_s=LEASE_S, heartbeat_s=0.5, sweep_s=0.5)
 
 
 def workers_by_id(api) -> dict[str, dict]:

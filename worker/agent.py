@@ -11,9 +11,8 @@ from redis import Redis
 from redis.exceptions import RedisError
 from sqlalchemy.exc import OperationalError
 
-from service import queue
 from service.db import make_engine, make_sessionmaker
-from service.jobs import lifecycle
+from service.jobs import lifecycle, queue
 from service.settings import Settings, get_settings
 from service.workers import service as workers
 from trainjobs.runenv import SPEC_FILE

@@ -18,7 +18,7 @@ from rq.exceptions import DequeueTimeout, NoSuchJobError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.jobs import service as jobs
-from service.queue import GANG, parse_node_task_id
+from service.jobs.queue import GANG, parse_node_task_id
 from service.workers import fit
 from service.workers import service as workers
 from trainjobs.states import JobStatus

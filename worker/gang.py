@@ -1,6 +1,6 @@
 """A multi-node job's gang: nodes join by compare-and-set, wait for each other, and form, time out or yield together.
 
-Node 0 is whoever claims the job (worker/agent.py); it enqueues one task per other node (service/queue.py),
+Node 0 is whoever claims the job (worker/agent.py); it enqueues one task per other node (service/jobs/queue.py),
 and a worker that fits takes one and joins: it inserts its node's attempt row under the job's row lock,
 while the job is still `starting` at that attempt (the unique (job, attempt, node) makes a second join of
 the same node fail). Every member renews its lease while it waits. Once all nodes are in, node 0 picks a

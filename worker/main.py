@@ -15,7 +15,7 @@ from rq.utils import now
 
 import worker.agent  # preloaded: each forked work-horse starts with it imported
 from service.db import make_engine, make_sessionmaker
-from service.queue import queue_names
+from service.jobs.queue import queue_names
 from service.settings import get_settings
 from trainjobs.runenv import PREEMPT_SIGNAL
 from worker.agent import request_preemption

@@ -4,9 +4,9 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
+from service.api.deps import SettingsDep
 from service.artifacts import service as storage
 from service.auth.deps import JobIdDep
-from service.deps import SettingsDep
 from service.errors import ArtifactNotFound, responses
 
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])

@@ -4,13 +4,12 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response
 from redis.exceptions import RedisError
 
-from service import queue
+from service.api.deps import RedisDep, SessionDep, SettingsDep
+from service.api.etag import json_with_etag
 from service.auth.deps import JobIdDep, PrincipalDep
 from service.auth.limits import check_submission
-from service.deps import RedisDep, SessionDep, SettingsDep
 from service.errors import responses
-from service.etag import json_with_etag
-from service.jobs import lifecycle, service
+from service.jobs import lifecycle, queue, service
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
 from service.workers import service as worker_rows
 from trainjobs.spec import JobSpec

@@ -3,8 +3,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
+from service.api.deps import SessionDep
 from service.auth.deps import JobIdDep
-from service.deps import SessionDep
 from service.errors import responses
 from service.jobs import service as jobs
 from service.logs import service

@@ -3,8 +3,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
+from service.api.deps import SessionDep
 from service.auth.deps import JobIdDep
-from service.deps import SessionDep
 from service.errors import responses
 from service.metrics import service
 

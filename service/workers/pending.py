@@ -7,8 +7,8 @@ from redis import Redis
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service import queue
 from service.db import utcnow
+from service.jobs import queue
 from service.jobs import service as jobs
 from service.jobs.models import Job
 from service.workers import fit

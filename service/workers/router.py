@@ -2,8 +2,8 @@
 
 from fastapi import APIRouter
 
+from service.api.deps import SessionDep, SettingsDep
 from service.db import utcnow
-from service.deps import SessionDep, SettingsDep
 from service.workers import service
 from service.workers.schemas import WorkerPublic, WorkersPublic
 

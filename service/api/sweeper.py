@@ -11,8 +11,7 @@ import time
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import queue
-from service.jobs import lifecycle
+from service.jobs import lifecycle, queue
 from service.settings import Settings
 from service.workers import pending
 from service.workers import service as workers

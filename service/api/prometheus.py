@@ -22,8 +22,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import queue
 from service.auth.deps import current_principal
+from service.jobs import queue
 from service.jobs.models import Job
 from service.metrics.models import Metric as MetricRow
 from service.workers import service as workers

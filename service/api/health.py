@@ -1,7 +1,7 @@
 from fastapi import APIRouter, Response
 from sqlalchemy import text
 
-from service.deps import RedisDep, SessionDep
+from service.api.deps import RedisDep, SessionDep
 
 router = APIRouter(tags=["health"])
 

@@ -80,7 +80,7 @@ class Stack:
         if self.settings.auth:
             self.token = self._admin_token()
         python = sys.executable
-        self._spawn("api", [python, "-m", "uvicorn", "service.app:app", "--host", self.host,
+        self._spawn("api", [python, "-m", "uvicorn", "service.api.asgi:app", "--host", self.host,
                             "--port", str(self.port), "--log-level", "warning"])
         self.add_workers(self.workers)
         self._wait_ready()

@@ -10,23 +10,23 @@ from fastapi.responses import JSONResponse
 from redis import Redis
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.events import router as events_router
+from service.api.health import router as health_router
+from service.api.middleware import BodyLimit, RefuseNul
+from service.api.plan import router as plan_router
+from service.api.prometheus import install as install_prometheus
+from service.api.sweeper import Sweeper
 from service.artifacts.router import router as artifacts_router
 from service.auth import tokens
 from service.auth.deps import current_principal
-from service.auth.limits import BodyLimit, RefuseNul
 from service.auth.router import router as auth_router
 from service.dashboard.router import router as dashboard_router
 from service.db import make_engine, make_sessionmaker
 from service.errors import TrainjobsError, responses
-from service.events import router as events_router
-from service.health import router as health_router
 from service.jobs.router import router as jobs_router
 from service.logs.router import router as logs_router
 from service.metrics.router import router as metrics_router
-from service.plan_router import router as plan_router
-from service.prometheus import install as install_prometheus
 from service.settings import Settings, get_settings
-from service.sweeper import Sweeper
 from service.workers.router import router as workers_router
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ import httpx
 import yaml
 from rich.console import Console
 
-from service import tables
-from service.auth import cli as auth_cli
-from service.follow import exit_code, follow, print_outcome
+from service.cli import tables
+from service.cli import tokens as auth_cli
+from service.cli.follow import exit_code, follow, print_outcome
 from service.settings import Settings, check_bind, get_settings
 from trainjobs.client import APIError, Client, find_token
 from trainjobs.states import TERMINAL, JobStatus
@@ -121,7 +121,7 @@ def cmd_db(args, settings: Settings) -> int:
 
 
 def cmd_up(args, settings: Settings) -> int:
-    from service.stack import Stack, run_forever
+    from service.cli.stack import Stack, run_forever
 
     stack = Stack(settings, host=args.host, port=args.port, workers=args.workers)
     try:
@@ -139,7 +139,7 @@ def cmd_up(args, settings: Settings) -> int:
 
 def cmd_demo(args, settings: Settings) -> int:
     """Start a stack on a free port, run one job with a progress bar, print its summary, stop."""
-    from service.stack import Stack
+    from service.cli.stack import Stack
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -157,14 +157,14 @@ def cmd_api(args, settings: Settings) -> int:
     import uvicorn
 
     check_bind(settings, args.host)
-    uvicorn.run("service.app:app", host=args.host, port=args.port)
+    uvicorn.run("service.api.asgi:app", host=args.host, port=args.port)
     return 0
 
 
 def cmd_worker(args, settings: Settings) -> int:
     import importlib
 
-    # By name, so that importing service never imports worker/ (DESIGN rule 2).
+    # By name, so that importing service never imports worker/ (the control plane never imports torch).
     importlib.import_module("worker.main").main(burst=args.burst, slots=args.slots, device=args.device,
                                                 labels=args.label, address=args.address)
     return 0

@@ -1,0 +1,1 @@
+"""The CLI process: `trainjobs` commands over the SDK (trainjobs.client), following, tables, `up` and `demo`."""
