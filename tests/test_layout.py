@@ -26,7 +26,8 @@ def loaded_after_importing(packages: list[str]) -> set[str]:
         f"for name in {packages!r}:\n"
         "    pkg = importlib.import_module(name)\n"
         "    for info in pkgutil.walk_packages(pkg.__path__, name + '.'):\n"
-        "        importlib.import_module(info.name)\n"
+        "        if not info.name.endswith('__main__'):  # a command, not a module to import\n"
+        "            importlib.import_module(info.name)\n"
         "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
