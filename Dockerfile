@@ -20,7 +20,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
-    TRAINJOBS_DATA_DIR=/data
+    TRAINJOBS_DATA_DIR=/data \
+    TRAINJOBS_SECRETS_DIR=/secrets
 
 # The non-root user every process runs as; uid/gid 1000 to match the usual owner of a bind-mounted host dir.
 RUN groupadd --system --gid 1000 trainjobs \
@@ -59,8 +60,9 @@ RUN pip install '.[worker]' \
  && python -P -c "import trainjobs.client, service.api.app, worker.main, worker.agent, worker.train.main, migrations, torch.distributed.run"
 
 # Datasets (job spec paths are relative to it) and the workers' run dirs. Created and chowned before VOLUME,
-# so that a new named volume mounted here starts out owned by the trainjobs user.
-RUN mkdir -p /data && chown trainjobs:trainjobs /data
+# so that a new named volume mounted here starts out owned by the trainjobs user. /secrets (the admin token
+# file) likewise, 0700; compose mounts a volume there in the API's container only, never in a worker's.
+RUN mkdir -p /data /secrets && chown trainjobs:trainjobs /data /secrets && chmod 700 /secrets
 VOLUME /data
 
 # Numeric, so that a runtime (Kubernetes runAsNonRoot) can tell it is not root without the image's passwd.

@@ -30,7 +30,7 @@ up: $(STAMP)
 	$(VENV)/bin/trainjobs up
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check service worker tests bench
+	$(VENV)/bin/ruff check trainjobs service worker tests bench
 
 bench: $(STAMP) services
 	$(PY) bench/throughput.py

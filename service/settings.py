@@ -4,7 +4,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -20,7 +20,10 @@ class Settings(BaseSettings):
     allow_entrypoints: bool = False  # a worker runs users' own code only when told to
     redis_url: str = "redis://127.0.0.1:6379/0"
     api_url: str = "http://127.0.0.1:8000"
-    token: str | None = Field(None, repr=False, description="the CLI's API token (else data_dir/admin.token)")
+    token: str | None = Field(None, repr=False, description="the CLI's API token (else the admin token file)")
+    # The service's own secrets (the admin token file): never inside a folder a job is handed (the data dir,
+    # storage, scripts), so neither a link out of a job's folder nor a volume shared with workers reaches it.
+    secrets_dir: Path | None = None  # default: data_dir's sibling <data_dir>-secrets; 0700, its files 0600
     queue_prefix: str = "trainjobs"
 
     # Who may call the API (service/auth/). Off only for one user on one machine: then it serves loopback only.
@@ -69,6 +72,28 @@ class Settings(BaseSettings):
     @property
     def runs_dir(self) -> Path:
         return self.data_dir / "runs"
+
+    @property
+    def resolved_secrets_dir(self) -> Path:
+        if self.secrets_dir:
+            return self.secrets_dir.resolve()
+        data_dir = self.data_dir.resolve()
+        return data_dir.with_name(f"{data_dir.name}-secrets")
+
+    @property
+    def admin_token_file(self) -> Path:
+        """Where the first admin token is written (by the API or `trainjobs up`) and the CLI finds it."""
+        return self.resolved_secrets_dir / "admin.token"
+
+    @model_validator(mode="after")
+    def _secrets_apart_from_jobs(self) -> "Settings":
+        secrets = self.resolved_secrets_dir
+        for name, folder in (("TRAINJOBS_DATA_DIR", self.data_dir.resolve()), ("TRAINJOBS_STORAGE_DIR",
+                             self.resolved_storage_dir), ("TRAINJOBS_SCRIPTS_DIR", self.resolved_scripts_dir)):
+            if secrets.is_relative_to(folder):
+                raise ValueError(f"TRAINJOBS_SECRETS_DIR ({secrets}) is inside {name} ({folder}), which jobs are "
+                                 "handed; put the service's secrets elsewhere")
+        return self
 
 
 @lru_cache

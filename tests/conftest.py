@@ -73,7 +73,7 @@ def settings(db_url, tmp_path: Path) -> Settings:
 
 def admin_token(settings: Settings) -> str:
     """The admin token the app wrote on its first start (tables are emptied per test: every app is a first)."""
-    return (settings.data_dir / "admin.token").read_text().strip()
+    return settings.admin_token_file.read_text().strip()
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 """A job's artifacts over HTTP: listed, downloaded, and never a path outside the job's folder."""
 
+import os
+
 import pytest
 
 from service.artifacts import service as storage
@@ -48,3 +50,36 @@ def test_missing_artifacts_and_jobs_are_404(client, job_with_files):
 def test_a_job_without_artifacts_lists_none(client):
     job = client.post("/v1/jobs", json=mlp_spec()).json()
     assert client.get(f"/v1/jobs/{job['id']}/artifacts").json() == {"data": [], "count": 0}
+
+
+@pytest.mark.parametrize("linked", ["artifacts", "job"])
+def test_a_job_folder_swapped_for_a_link_serves_nothing_outside_it(client, settings, tmp_path, linked):
+    """A running script can replace its artifacts folder (or its job folder) with a link to / or the data dir."""
+    job = client.post("/v1/jobs", json=mlp_spec()).json()
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "artifacts").mkdir(parents=True)
+    for folder in (elsewhere, elsewhere / "artifacts"):
+        (folder / "admin.token").write_text("tj_not-yours")
+    folder = storage.artifacts_dir(settings, job["id"])
+    if linked == "job":
+        folder = folder.parent
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.symlink_to(elsewhere if linked == "job" else elsewhere / "artifacts")
+
+    assert client.get(f"/v1/jobs/{job['id']}/artifacts").json() == {"data": [], "count": 0}
+    r = client.get(f"/v1/jobs/{job['id']}/artifacts/admin.token")
+    assert r.status_code == 404 and "tj_not-yours" not in r.text
+
+
+def test_links_and_special_files_inside_the_folder_are_neither_listed_nor_served(client, job_with_files, settings,
+                                                                                  tmp_path):
+    root = storage.artifacts_dir(settings, job_with_files)
+    (root / "up").symlink_to(tmp_path)  # a link to a folder outside
+    (root / "same").symlink_to(root / "model.pt")  # even one that stays inside: links are not followed
+    os.mkfifo(root / "pipe")  # opening a FIFO would block the request forever
+    names = [f["name"] for f in client.get(f"/v1/jobs/{job_with_files}/artifacts").json()["data"]]
+    assert names == ["model.pt", "plots/loss.csv"]
+    for name in ("up/secret.txt", "same"):
+        r = client.get(f"/v1/jobs/{job_with_files}/artifacts/{name}")
+        assert r.status_code == 422 and r.json()["field"] == "name" and "not yours" not in r.text
+    assert client.get(f"/v1/jobs/{job_with_files}/artifacts/pipe").status_code == 404

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from service.api.app import create_app
 from service.auth import tokens
 from service.db import utcnow
+from service.settings import Settings
 from tests.conftest import mlp_spec
 
 JOB_ID = "0123456789abcdef0123"
@@ -72,7 +73,7 @@ def test_tokens_are_stored_only_as_hashes(client, settings):
     made = client.post("/v1/tokens", json={"name": "ci", "user": "carol"}).json()
     secret = made["token"]
     assert secret.startswith("tj_") and len(secret) >= 3 + 43  # 32 random bytes, urlsafe base64
-    admin_secret = (settings.data_dir / "admin.token").read_text().strip()
+    admin_secret = settings.admin_token_file.read_text().strip()
     engine = create_engine(settings.resolved_database_url)
     with engine.connect() as conn:
         dump = repr(conn.execute(text("SELECT * FROM api_tokens")).all()) + repr(
@@ -113,7 +114,7 @@ def test_auth_off_serves_loopback_without_tokens_and_nothing_else(settings, redi
     with TestClient(create_app(off), base_url="http://127.0.0.1") as local:
         r = local.post("/v1/jobs", json=mlp_spec())
         assert r.status_code == 201 and r.json()["owner"] == "admin"
-    assert not (settings.data_dir / "admin.token").exists()  # no token is made with auth off
+    assert not settings.admin_token_file.exists()  # no token is made with auth off
     with TestClient(create_app(off), base_url="http://10.1.2.3") as remote:
         r = remote.get("/v1/jobs")
         assert r.status_code == 401 and "loopback" in r.json()["detail"]
@@ -128,3 +129,29 @@ def test_with_auth_off_the_cli_refuses_to_listen_beyond_loopback(settings):
     with pytest.raises(SystemExit, match="loopback only"):
         check_bind(off, "0.0.0.0")
     check_bind(settings, "0.0.0.0")  # auth on: any address
+
+
+def test_the_admin_token_lives_in_no_folder_a_job_is_handed(client, settings):
+    """A job's ranks get the data dir, storage and scripts: the service's secrets are elsewhere, 0700/0600."""
+    secret = settings.admin_token_file.read_text().strip()
+    for folder in (settings.data_dir, settings.resolved_storage_dir, settings.resolved_scripts_dir):
+        assert not settings.admin_token_file.is_relative_to(folder.resolve())
+    assert settings.admin_token_file.stat().st_mode & 0o777 == 0o600
+    assert settings.resolved_secrets_dir.stat().st_mode & 0o777 == 0o700
+    leaked = [p for p in settings.data_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaked == []
+
+
+def test_a_token_file_an_older_version_left_in_the_data_dir_is_moved_out(settings, redis):
+    settings.data_dir.mkdir(parents=True)
+    (settings.data_dir / "admin.token").write_text("tj_old\n")
+    with TestClient(create_app(settings)) as c:
+        c.headers["Authorization"] = f"Bearer {settings.admin_token_file.read_text().strip()}"
+        assert c.get("/v1/me").json()["role"] == "admin"
+    assert not (settings.data_dir / "admin.token").exists()
+
+
+@pytest.mark.parametrize("inside", ["data", "data/storage", "scripts"])
+def test_a_secrets_dir_inside_a_folder_jobs_are_handed_is_refused(tmp_path, inside):
+    with pytest.raises(ValueError, match="TRAINJOBS_SECRETS_DIR"):
+        Settings(data_dir=tmp_path / "data", scripts_dir=tmp_path / "scripts", secrets_dir=tmp_path / inside / "s")

@@ -8,9 +8,11 @@ import torch
 
 from tests.conftest import mlp_spec
 from tests.helpers import run_torchrun
+from trainjobs.runenv import ATTEMPT_ENV
 from trainjobs.spec import JobSpec
-from worker.train.checkpoint import COMPLETE, complete_checkpoints
+from worker.train.checkpoint import COMPLETE, OWNER, complete_checkpoints, save_model
 from worker.train.data import build_dataset
+from worker.train.distributed import Dist
 from worker.train.models import build_model
 
 GPT = {"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 16, "seq_len": 8, "vocab_size": 32}
@@ -79,3 +81,17 @@ def test_only_complete_checkpoints_count(tmp_path):
             (path / COMPLETE).write_text("{}")
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000004", "step_00000008", "step_00000012"]
     assert complete_checkpoints(tmp_path / "missing") == []
+
+
+def test_a_stale_attempt_writes_no_model_file(tmp_path, monkeypatch):
+    """Fenced as checkpoints are: once a newer attempt owns the job's folder, the old one's model.pt never lands."""
+    job_dir, model = tmp_path / "job", torch.nn.Linear(2, 1)
+    job_dir.mkdir()
+    d = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    monkeypatch.setenv(ATTEMPT_ENV, "1")
+    (job_dir / OWNER).write_text("2")
+    with pytest.raises(RuntimeError, match="attempt 1 no longer owns the job"):
+        save_model(model, d, job_dir / "artifacts")
+    assert not (job_dir / "artifacts" / "model.pt").exists()
+    (job_dir / OWNER).write_text("1")
+    assert save_model(model, d, job_dir / "artifacts") == job_dir / "artifacts" / "model.pt"

@@ -149,7 +149,7 @@ class DroppingProxy:
 
     def last_event_ids(self) -> list[str | None]:
         """The Last-Event-ID of each request for an event stream, in order."""
-        heads = re.findall(rb"GET /v1/jobs/\w+/events HTTP/1.1\r\n(.*?)\r\n\r\n", bytes(self.up), re.S)
+        heads = re.findall(rb"GET /v1/jobs/\w+/events(?:\?\S*)? HTTP/1.1\r\n(.*?)\r\n\r\n", bytes(self.up), re.S)
         return [(re.findall(rb"(?im)^last-event-id: (\d+)", h) or [None])[0] for h in heads]
 
 
@@ -174,6 +174,8 @@ def test_follow_resumes_with_last_event_id_after_the_connection_drops(stack, db,
     proxy = DroppingProxy(stack.port)
     try:
         proc, job_id = submit(stack, spec_file, "--follow", "--json", api_url=proxy.url)
+        # The follower asks for points from its attaching on (`metrics=new`): attached first, then points.
+        wait_for(proxy.events_sent, 10, what="the follower to attach")
         start(db, job_id)
         add_points(db, job_id, range(0, 3))
         wait_for(lambda: any(k == "metrics" for c in proxy.events_sent() for _i, k, _d in c), 10,
@@ -190,6 +192,7 @@ def test_follow_resumes_with_last_event_id_after_the_connection_drops(stack, db,
     assert code == 0, out
     assert json.loads(out)["status"] == "succeeded"
     assert proxy.last_event_ids() == [None, seen.encode()]
+    assert bytes(proxy.up).count(b"/events?metrics=new HTTP/1.1") == 2
     _first, again = proxy.events_sent()
     assert [k for _i, k, _d in again[:2]] == ["status", "progress"]  # the state again, on reconnect
     resumed = [s for _i, k, d in again if k == "metrics" for s in d["series"][0]["steps"]]
@@ -245,3 +248,40 @@ def test_logs_follow_reads_the_log_only_when_the_stream_says_it_grew(stack, db):
     assert returncode == 0, out
     assert [json.loads(line)["text"] for line in out.splitlines()] == ["rank 0 up\n", "step 5 loss 0.5\n",
                                                                         "step 10 loss 0.2\n"]
+
+
+def test_submit_follow_prints_a_ranks_error_as_text_and_exits_with_the_outcome(stack, db, spec_file):
+    proc, job_id = submit(stack, spec_file, "--follow")
+    start(db, job_id)
+    move(db, job_id, JobStatus.FAILED, finished_at=utcnow(),
+         error={"type": "RuntimeError", "message": "[rank0]: boom [/] [bold]x[/bold]", "rank": 0})
+    returncode, out = finish(proc)
+    assert returncode == 1, out
+    assert "RuntimeError on rank 0: [rank0]: boom [/] [bold]x[/bold]" in out
+
+
+def test_an_api_error_quoting_the_users_text_prints_it_as_text(stack):
+    returncode, out = finish(trainjobs(stack, "status", "[rank0]"))
+    assert returncode == 2, out
+    assert "error: HTTP 404: job '[rank0]' not found" in out
+
+
+def test_logs_follow_asks_the_stream_for_no_points(stack, db):
+    """A follower of the log reads no metric history (`metrics=none`), however long the series."""
+    with stack.client() as api:
+        job_id = api.post("/v1/jobs", json=mlp_spec()).json()["id"]
+    start(db, job_id)
+    add_points(db, job_id, range(0, 50))
+    proxy = DroppingProxy(stack.port)
+    try:
+        proc = trainjobs(stack, "logs", job_id, "--follow", "--json", api_url=proxy.url)
+        wait_for(proxy.events_sent, 10, what="the follower to attach")
+        add_points(db, job_id, range(50, 53))
+        logs.append(db, job_id=job_id, attempt=1, start=0, seq=1, text="done\n")
+        move(db, job_id, JobStatus.SUCCEEDED, finished_at=utcnow())
+        returncode, out = finish(proc)
+    finally:
+        proxy.close()
+    assert returncode == 0 and json.loads(out)["text"] == "done\n", out
+    assert b"/events?metrics=none HTTP/1.1" in bytes(proxy.up)
+    assert [k for c in proxy.events_sent() for _i, k, _d in c if k == "metrics"] == []

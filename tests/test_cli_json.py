@@ -4,11 +4,13 @@ tables and logs a person reads."""
 import json
 
 from service.cli import main as cli
-from service.db import make_engine, make_sessionmaker
+from service.db import make_engine, make_sessionmaker, utcnow
+from service.jobs import lifecycle
 from service.logs import service as logs
 from service.workers import service as workers
 from tests.conftest import mlp_spec
 from trainjobs.client import Client
+from trainjobs.states import JobStatus
 
 
 def run(client, capsys, *argv: str) -> str:
@@ -61,3 +63,17 @@ def test_logs_node_prints_that_node_s_log_of_a_multi_node_job(client, settings, 
     assert run(client, capsys, "logs", job["id"], "--node", "1") == "hello from node 1\n"
     got = json.loads(run(client, capsys, "logs", job["id"], "--node", "1", "--json"))
     assert got["node_rank"] == 1 and got["text"] == "hello from node 1\n"
+
+
+def test_status_prints_the_users_text_as_text_not_as_markup(client, settings, capsys):
+    job = client.post("/v1/jobs", json=mlp_spec(name="marked")).json()
+    engine = make_engine(settings.database_url)
+    with make_sessionmaker(engine)() as db:
+        for to, values in ((JobStatus.STARTING, {"attempt": 1, "started_at": utcnow()}), (JobStatus.RUNNING, {}),
+                           (JobStatus.FAILED, {"finished_at": utcnow(), "summary": {"[red]acc[/]": 0.5},
+                                               "error": {"type": "RuntimeError", "message": "[rank0]: boom [/]"}})):
+            assert lifecycle.transition(db, job_id=job["id"], to=to, values=values)
+        db.commit()
+    engine.dispose()
+    out = run(client, capsys, "status", job["id"])
+    assert "RuntimeError: [rank0]: boom [/]" in out and "[red]acc[/]" in out

@@ -170,6 +170,7 @@ def entry_stack(postgres_url, tmp_path_factory):
         "import os\n"
         "print('token', os.environ.get('TRAINJOBS_TEST_API_TOKEN'))\n"
         "print('db', os.environ.get('TRAINJOBS_DATABASE_URL'), 'redis', os.environ.get('TRAINJOBS_REDIS_URL'))\n")
+    (scripts / "grab_admin.py").write_text(GRAB_ADMIN)
     os.environ["TRAINJOBS_TEST_API_TOKEN"] = LEAKY  # in the workers' environment, as a cloud key would be
     try:
         with live_stack(postgres_url, tmp_path_factory.mktemp("entry"), name="entry", allow_entrypoints=True,
@@ -180,6 +181,21 @@ def entry_stack(postgres_url, tmp_path_factory):
 
 
 LEAKY = "sk-live-0123456789abcdef"
+# The issue's attack: look for the admin token in the folders a job is given, then swap the artifacts folder
+# for a link to wherever it is (the data dir where it used to be, else the secrets dir beside it) and ask the
+# artifacts route for it.
+GRAB_ADMIN = """import os, shutil
+from pathlib import Path
+data = Path(os.environ["TRAINJOBS_DATA_DIR"])
+for folder in (data, Path(os.environ["TRAINJOBS_CHECKPOINT_DIR"]).parent):
+    for path in folder.rglob("admin.token"):
+        print("found", path)
+target = data if (data / "admin.token").exists() else data.with_name(data.name + "-secrets")
+artifacts = Path(os.environ["TRAINJOBS_ARTIFACTS_DIR"])
+shutil.rmtree(artifacts, ignore_errors=True)
+artifacts.symlink_to(target)
+print("linked", artifacts.is_symlink())
+"""
 
 
 def test_a_script_that_prints_the_workers_secrets_leaks_none_into_the_logs(entry_stack):
@@ -191,6 +207,20 @@ def test_a_script_that_prints_the_workers_secrets_leaks_none_into_the_logs(entry
     assert job["status"] == "succeeded", job["error"]
     assert "token [redacted]" in logs and LEAKY not in logs
     assert "db None redis None" in logs  # ranks never get the service's connection strings
+
+
+def test_a_script_finds_no_admin_token_and_cannot_have_it_served_through_a_link(entry_stack):
+    with entry_stack.client(timeout=10) as api:
+        spec = entry_spec(script="grab_admin.py")
+        spec["resources"]["nproc_per_node"] = 1
+        job = wait_terminal(api, api.post("/v1/jobs", json=spec).json()["id"])
+        logs = api.get(f"/v1/jobs/{job['id']}/logs").text
+        listed = api.get(f"/v1/jobs/{job['id']}/artifacts").json()
+        served = api.get(f"/v1/jobs/{job['id']}/artifacts/admin.token")
+    assert job["status"] == "succeeded", job["error"]
+    assert "linked True" in logs and "found" not in logs
+    assert listed == {"data": [], "count": 0}
+    assert served.status_code == 404 and entry_stack.token not in served.text
 
 
 def test_plain_and_reported_torchrun_scripts_run_to_success_through_the_service(entry_stack):

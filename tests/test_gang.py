@@ -4,6 +4,7 @@ The gang's losses equal a 1-node 2-process run of the same spec; each node shows
 own log. A worker killed mid-run stops the whole gang on the other node too, and the job is retried as one.
 """
 
+import signal
 import time
 
 import psutil
@@ -11,8 +12,13 @@ import pytest
 from sqlalchemy import create_engine, select
 
 from service.jobs.models import JobEvent
+from service.settings import Settings
 from tests.conftest import mlp_spec
 from tests.helpers import module_stack, processes_of, run_torchrun, wait_for, wait_terminal
+from trainjobs.spec import JobSpec
+from trainjobs.states import JobStatus
+from worker.launch import Gang
+from worker.supervisor import Supervisor
 
 LEASE_S = 4.0
 GANG_TIMEOUT_S = 8.0
@@ -161,3 +167,42 @@ def test_two_gangs_submitted_together_on_two_workers_both_run_without_deadlock(s
                                                                JobEvent.detail.like("gang not formed%"))).all()
     engine.dispose()
     assert released == []
+
+
+def test_a_node_whose_ranks_stopped_for_another_node_s_preemption_hands_the_job_back(tmp_path):
+    """The preemption all-reduce makes every node's ranks checkpoint and exit 0: that is no success anywhere."""
+    spec = JobSpec.model_validate(two_node(train={"max_steps": 200_000}))
+    gang = Gang(nnodes=2, node_rank=0, endpoint="127.0.0.1:1", local_addr="127.0.0.1", join_timeout_s=30)
+    sup = Supervisor(sessions=None, settings=Settings(data_dir=tmp_path), job_id="j", attempt=1, spec=spec,
+                     run_dir=tmp_path, gang=gang)
+    sup.metrics.preempted_at_step = 400  # the runtime's `preempted` record, shipped from this node's file
+    outcome = sup._outcome(0, None, [])
+    assert outcome.status == JobStatus.QUEUED
+    assert outcome.detail == "handed back with its gang at step 400: another node's worker is shutting down"
+    sup.preempt()  # the node whose worker is shutting down says so
+    assert sup._outcome(0, None, []).detail == "preempted by worker shutdown at step 400"
+
+
+def test_sigterm_to_one_worker_of_a_gang_hands_the_job_back_on_every_node(stack, api, postgres_url):
+    spec = two_node(name="gang-preempt", train={"max_steps": 200_000, "log_every": 50})
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    wait_for(lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["status"] == "running"
+             and j["progress"]["step"] >= 100, 120, what="the gang to train")
+    node_1 = next(a for a in attempts(api, job_id) if a["node_rank"] == 1)
+    worker = psutil.Process(int(node_1["worker"].rsplit("-", 1)[1]))
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=60) == 0
+    wait_for(lambda: {a["status"] for a in attempts(api, job_id) if a["number"] == 1} != {"active"}
+             and "active" not in {a["status"] for a in attempts(api, job_id) if a["number"] == 1}, 30,
+             what="both nodes of attempt 1 to close")
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] in ("queued", "starting") and job["summary"] is None and job["error"] is None
+    statuses = {a["node_rank"]: a["status"] for a in attempts(api, job_id) if a["number"] == 1}
+    assert statuses[1] == "preempted" and statuses[0] in ("preempted", "stopped"), statuses
+    engine = create_engine(postgres_url)
+    with engine.connect() as conn:
+        kinds = conn.scalars(select(JobEvent.kind).where(JobEvent.job_id == job_id)).all()
+    engine.dispose()
+    assert "succeeded" not in kinds and "failed" not in kinds
+    api.post(f"/v1/jobs/{job_id}/cancel")
+    wait_for(lambda: processes_of(job_id) == [], 30, what="every process of the job to go")

@@ -257,6 +257,24 @@ def test_a_lost_worker_is_retried_without_waiting_and_only_once_its_lease_expire
     assert [a.status for a in attempts] == [AttemptStatus.LOST]
 
 
+def test_a_worker_whose_clock_is_8s_behind_keeps_its_attempt(sessions, monkeypatch):
+    """Leases are set and judged by the database's clock: a worker's slow clock no longer makes every attempt
+    look expired to the sweeper from the start."""
+    job_id = new_job(sessions)
+    with monkeypatch.context() as m:  # the worker's machine: claim, join, renew all read its clock
+        m.setattr(lifecycle, "utcnow", lambda: utcnow() - timedelta(seconds=8))
+        with sessions() as db:
+            attempt, _ = lifecycle.claim(db, job_id=job_id, worker="w0", lease_s=5)
+            db.commit()
+            assert lifecycle.start_running(db, job_id=job_id, attempt=attempt, detail="ranks launched")
+            assert lifecycle.hold(db, job_id=job_id, attempt=attempt, node_rank=0, lease_s=5) is not None
+            db.commit()
+    assert call(sessions, lifecycle.expire_leases) == []  # the sweeper, on a machine with the right time
+    job, attempts = state(sessions, job_id)
+    assert job.status == JobStatus.RUNNING and attempts[0].status == AttemptStatus.ACTIVE
+    assert attempts[0].lease_expires_at > utcnow() + timedelta(seconds=3)  # 5 s from the database's now
+
+
 def test_a_hand_back_requeues_the_job_without_spending_a_retry(sessions):
     job_id = new_job(sessions, running=True, max_retries=1)
     assert call(sessions, lifecycle.hand_back, job_id=job_id, attempt=1, detail="worker shutting down")
@@ -306,6 +324,20 @@ def test_transition_makes_exactly_the_moves_in_allowed_from_and_terminal_states_
                 assert moved == (source in ALLOWED_FROM[to]), (source, to)
                 assert db.scalar(select(Job.status).where(Job.id == job_id)) == (to if moved else source)
                 db.rollback()
+
+
+def test_a_gang_node_dying_after_a_cancel_was_asked_ends_the_job_cancelled_not_failed(sessions):
+    """A peer's SIGTERM can kill node 1's ranks before its supervisor reads the cancel flag (issue 13, item 15)."""
+    job_id = new_job(sessions, nnodes=2, running=True, max_retries=2)
+    call(sessions, lifecycle.request_cancel, job_id=job_id)
+    peer_died = {"type": "RuntimeError", "message": "Connection closed by peer", "rank": None}
+    assert call(sessions, lifecycle.settle_failure, job_id=job_id, attempt=1, error=peer_died,
+                node_rank=1) == JobStatus.CANCELLED
+    assert not call(sessions, lifecycle.finish_node, job_id=job_id, attempt=1, node_rank=0,
+                    status=JobStatus.CANCELLED, summary=None, error=None, exit_code=-15)
+    job, attempts = state(sessions, job_id)
+    assert job.status == JobStatus.CANCELLED and job.error is None and job.attempt == 1  # no retry either
+    assert [a.status for a in attempts] == [AttemptStatus.CANCELLED, AttemptStatus.CANCELLED]
 
 
 def test_cancelling_a_finished_job_is_refused_and_changes_nothing(sessions):

@@ -1,13 +1,18 @@
 """The training runtime's parts, in process: datasets, models, schedule (one torch import for all)."""
 
+import json
 import math
+import re
 
 import pytest
 import torch
 
 from service.errors import InvalidRequest
+from service.jobs import retries
 from tests.conftest import mlp_spec
+from tests.helpers import run_torchrun
 from trainjobs.spec import JobSpec, OptimizerConfig
+from worker.root_cause import root_cause
 from worker.train.data import build_dataset
 from worker.train.models import build_model, loss_fn
 from worker.train.optim import lr_at
@@ -121,3 +126,32 @@ def test_mfu_counts_6n_per_token_plus_attention_over_the_device_peak(monkeypatch
     monkeypatch.setenv(PEAK_FLOPS_ENV, "1e15")
     assert peak_flops("Some Future Chip") == 1e15
     assert mfu(samples_per_s=100, flops_sample=1e12, peak=1e15, world_size=2) == pytest.approx(0.05)
+
+
+DIVERGING = {"optimizer": {"type": "sgd", "lr": 10, "momentum": 0.9}, "resources": {"nnodes": 1, "nproc_per_node": 1,
+                                                                                   "device": "cpu"},
+             "data": {"type": "synthetic_regression", "num_samples": 64, "batch_size": 16}}
+
+
+def test_a_diverging_run_fails_naming_the_step_where_the_loss_became_nan_and_is_not_retried(tmp_path):
+    spec = mlp_spec(train={"max_steps": 200, "log_every": 1}, **DIVERGING)
+    records = run_torchrun(spec, tmp_path, check=False)
+    error = root_cause(tmp_path, 1, excerpt="", entrypoint=False)
+    assert error["type"] == "NonFiniteLoss", error
+    named = re.fullmatch(r"loss is (NaN|\+inf|-inf) at step (\d+)", error["message"])  # this one: +inf at step 4
+    assert named, error["message"]
+    step = int(named[2])
+    # The series shows where: every step before it has its loss, that step has its other points but no loss.
+    logged = {r["step"]: r["metrics"] for r in records if r["type"] == "metrics"}
+    assert sorted(logged) == list(range(1, step)) and not any(r["type"] == "summary" for r in records)
+    assert not retries.is_retryable(error, [])
+
+
+def test_with_stop_on_nan_off_a_diverging_run_goes_on_and_its_summary_stays_strict_json(tmp_path):
+    spec = mlp_spec(train={"max_steps": 60, "log_every": 1, "stop_on_nan": False}, **DIVERGING)
+    records = run_torchrun(spec, tmp_path)
+    summary = next(r["summary"] for r in records if r["type"] == "summary")
+    assert summary["steps"] == 60 and summary["final_loss"] is None
+    first = summary["diverged_at_step"]
+    assert 1 < first <= 60 and "loss" not in next(r["metrics"] for r in records if r.get("step") == first)
+    json.dumps(summary, allow_nan=False)

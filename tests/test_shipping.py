@@ -4,14 +4,21 @@ import json
 import time
 from datetime import timedelta
 
+import psutil
+from sqlalchemy import select, update
+from sqlalchemy.exc import DataError, OperationalError
+
 from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs import lifecycle
 from service.jobs import service as jobs
 from service.jobs.models import Attempt
 from service.logs import service as logs
+from service.metrics import service as metrics
 from tests.conftest import mlp_spec
+from trainjobs.runenv import RUN_TAG_ENV
 from trainjobs.spec import JobSpec
 from trainjobs.states import JobStatus
+from worker import shipping
 from worker.launch import Gang
 from worker.shipping import LogShipper
 from worker.supervisor import Supervisor
@@ -103,4 +110,133 @@ def test_a_gang_s_progress_is_node_0_s_or_a_node_that_is_ahead_of_it(settings, t
     assert progress() == 20
     report(zero, 30)  # node 0 reports: its progress is the job's
     assert progress() == 30
+    engine.dispose()
+
+
+def start_attempt(sessions, spec: JobSpec) -> str:
+    """A job claimed as attempt 1 (node 0 holding a fresh lease), as worker/agent.py leaves it for its supervisor."""
+    with sessions() as db:
+        job_id = jobs.create(db, spec=spec).id
+        assert lifecycle.transition(db, job_id=job_id, to=JobStatus.STARTING,
+                                    values={"attempt": 1, "started_at": utcnow()})
+        db.add(Attempt(job_id=job_id, number=1, worker="w0", node_rank=0, started_at=utcnow(),
+                       lease_expires_at=lifecycle.lease_until(db, 10)))
+        db.commit()
+    return job_id
+
+
+def script_spec(settings, tmp_path, name: str, code: str) -> tuple:
+    """Settings of a worker that runs users' scripts, and the spec of a one-process job running `code`."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir(exist_ok=True)
+    (scripts / name).write_text(code)
+    allowed = settings.model_copy(update={"allow_entrypoints": True, "scripts_dir": scripts, "poll_s": 0.1,
+                                          "heartbeat_s": 0.2})
+    spec = JobSpec.model_validate(mlp_spec(model=None, data=None, entrypoint={"script": name},
+                                           resources={"nnodes": 1, "nproc_per_node": 1, "device": "cpu"}))
+    return allowed, spec
+
+
+UNSTORABLE = """
+import json, os, sys, time
+sys.stdout.write("before\\x00after\\n")
+with open(os.environ["TRAINJOBS_METRICS_FILE"], "a") as f:
+    f.write(json.dumps({"type": "progress", "time": time.time(), "total_steps": 1000}) + "\\n")
+    for step, record in [(1, {"loss": 1.0, "bad\\x00name": 2.0}), (2, {"loss": float("nan")}),
+                         (3, {"loss": 0.5, "step_time_s": 1e308})]:  # an ETA past any float
+        f.write(json.dumps({"type": "metrics", "step": step, "time": time.time(), "metrics": record}) + "\\n")
+    f.write(json.dumps({"type": "summary", "time": time.time(), "summary": {"final_loss": float("inf")}}) + "\\n")
+"""
+
+
+def test_a_nul_byte_or_a_nan_metric_is_stored_sanitized_and_the_job_succeeds(settings, tmp_path):
+    """NUL in output and in a metric name (PostgreSQL refuses both) and a NaN value (SQLite refuses it) once failed
+    every shipping commit, and with it the lease: now they are stored as U+FFFD or left out, and the log says so."""
+    settings, spec = script_spec(settings, tmp_path, "unstorable.py", UNSTORABLE)
+    engine = make_engine(settings.database_url)
+    sessions = make_sessionmaker(engine)
+    job_id = start_attempt(sessions, spec)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    outcome = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=1, spec=spec,
+                         run_dir=run_dir).run()
+    assert outcome.status == JobStatus.SUCCEEDED and outcome.summary == {"final_loss": None}
+    with sessions() as db:
+        text = logs.read(db, job_id=job_id)[0].decode()
+        series = {s["name"]: dict(zip(s["steps"], s["values"], strict=True))
+                  for s in metrics.read_series(db, job_id=job_id)}
+        assert jobs.get(db, job_id=job_id).progress == {"step": 3, "total_steps": 1000, "eta_s": None}
+    assert "before\ufffdafter\n" in text
+    assert ("[trainjobs] 1 NUL byte(s) of output stored as U+FFFD; 1 metric value(s) whose name held NUL stored "
+            "under U+FFFD; 1 non-finite metric value(s) not stored (the first: loss = nan at step 2)\n") in text
+    assert series == {"loss": {1: 1.0, 3: 0.5}, "bad\ufffdname": {1: 2.0}, "step_time_s": {3: 1e308}}
+    engine.dispose()
+
+
+def test_a_batch_the_database_refuses_still_renews_the_lease(settings, tmp_path, monkeypatch):
+    """Data and lease commit together; when the data fails, the lease is renewed on its own and the data follows."""
+    engine = make_engine(settings.database_url)
+    sessions = make_sessionmaker(engine)
+    spec = JobSpec.model_validate(mlp_spec())
+    job_id = start_attempt(sessions, spec)
+    with sessions() as db:
+        db.execute(update(Attempt).values(lease_expires_at=utcnow() + timedelta(seconds=1)))
+        db.commit()
+    sup = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=1, spec=spec, run_dir=tmp_path)
+    with sessions() as db:
+        sup.logs = LogShipper(db, job_id=job_id, attempt=1, max_bytes=1 << 20)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"type": "metrics", "step": 1, "time": time.time(),
+                                                        "metrics": {"loss": 1.0}}) + "\n")
+
+    def refuse(*args, **kwargs):
+        raise DataError("refused", None, Exception("a value the database refuses"))
+
+    with monkeypatch.context() as m:
+        m.setattr(shipping.metrics, "insert_batch", refuse)
+        sup._ship(_NoOutput())
+    with sessions() as db:
+        lease = db.scalar(select(Attempt.lease_expires_at))
+        assert lease > utcnow() + timedelta(seconds=settings.lease_s - 2) and not sup.lease_lost
+        assert metrics.read_series(db, job_id=job_id) == []
+    sup._ship(_NoOutput())  # the database takes it now: nothing was lost meanwhile
+    with sessions() as db:
+        assert metrics.read_series(db, job_id=job_id) == [{"name": "loss", "steps": [1], "values": [1.0]}]
+    engine.dispose()
+
+
+class _CutOff:
+    """A worker's sessions until `cut()`: then the database is out of reach."""
+
+    def __init__(self, sessions):
+        self.sessions, self.out = sessions, False
+
+    def __call__(self):
+        if self.out:
+            raise OperationalError("connect", None, Exception("connection refused"))
+        return self.sessions()
+
+
+def test_a_worker_cut_off_from_the_database_stops_its_ranks_once_its_lease_runs_out(settings, tmp_path):
+    """Past its lease the sweeper gives the job to another attempt: the ranks of this one must not train on."""
+    settings, spec = script_spec(settings, tmp_path, "sleepy.py", "import time\ntime.sleep(60)\n")
+    settings = settings.model_copy(update={"lease_s": 2.0, "cancel_grace_s": 1.0})
+    engine = make_engine(settings.database_url)
+    sessions = _CutOff(make_sessionmaker(engine))
+    job_id = start_attempt(sessions, spec)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sup = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=1, spec=spec, run_dir=run_dir)
+    real_ship = sup._ship
+
+    def ship_then_cut(pump):
+        real_ship(pump)
+        sessions.out = True  # after the first renewal: the database goes away
+
+    sup._ship = ship_then_cut
+    started = time.monotonic()
+    outcome = sup.run()
+    assert time.monotonic() - started < 15
+    assert outcome.status == JobStatus.FAILED and outcome.error["type"] == "worker_lost"
+    assert "could not renew its lease" in outcome.error["message"]
+    assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get(RUN_TAG_ENV) == sup.tag]
     engine.dispose()

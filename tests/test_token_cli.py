@@ -55,8 +55,10 @@ def test_a_bad_expiry_is_refused_by_argparse(text, capsys):
     assert "--expires" in capsys.readouterr().err
 
 
-def test_the_cli_takes_trainjobs_token_else_the_data_dirs_admin_token(tmp_path):
-    assert find_token(Settings(data_dir=tmp_path)) is None
-    (tmp_path / "admin.token").write_text("tj_from-file\n")
-    assert find_token(Settings(data_dir=tmp_path)) == "tj_from-file"
-    assert find_token(Settings(data_dir=tmp_path, token="tj_from-env")) == "tj_from-env"
+def test_the_cli_takes_trainjobs_token_else_the_admin_token_file(tmp_path):
+    settings = Settings(data_dir=tmp_path / "data")
+    assert find_token(settings) is None
+    (tmp_path / "data-secrets").mkdir()
+    (tmp_path / "data-secrets" / "admin.token").write_text("tj_from-file\n")
+    assert find_token(settings) == "tj_from-file"
+    assert find_token(Settings(data_dir=tmp_path / "data", token="tj_from-env")) == "tj_from-env"

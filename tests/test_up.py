@@ -33,12 +33,13 @@ def test_up_on_sqlite_with_embedded_redis_runs_a_job_and_stops_everything(tmp_pa
         wait_for(ready, 60, what="trainjobs up to be ready")
         children = psutil.Process(up.pid).children(recursive=True)
         assert (tmp_path / "data" / "trainjobs.db").exists()
-        token_file = tmp_path / "data" / "admin.token"
-        assert token_file.stat().st_mode & 0o777 == 0o600
+        token_file = tmp_path / "data-secrets" / "admin.token"  # beside the data dir, not in it
+        assert token_file.stat().st_mode & 0o777 == 0o600 and token_file.parent.stat().st_mode & 0o777 == 0o700
+        assert not list((tmp_path / "data").rglob("admin.token"))
         token = token_file.read_text().strip()
         assert api.get("/v1/jobs").status_code == 401
         api.headers["Authorization"] = f"Bearer {token}"
-        # The CLI finds the token in the data directory by itself.
+        # The CLI finds the token in the secrets directory by itself.
         listed = subprocess.run([sys.executable, "-m", "service.cli", "list", "--json"], capture_output=True,
                                 text=True, timeout=60, env=dict(env, TRAINJOBS_API_URL=f"http://127.0.0.1:{api_port}"))
         assert listed.returncode == 0 and json.loads(listed.stdout)["items"] == [], listed.stdout + listed.stderr
@@ -103,4 +104,4 @@ def test_demo_runs_its_job_with_the_token_of_its_own_first_start(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "succeeded" in out.stdout and "final_loss" in out.stdout
-    assert (tmp_path / "data" / "admin.token").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "data-secrets" / "admin.token").stat().st_mode & 0o777 == 0o600

@@ -87,10 +87,10 @@ def raise_for_status(response: httpx.Response) -> httpx.Response:
 
 
 def find_token(settings) -> str | None:
-    """TRAINJOBS_TOKEN, else the admin token `trainjobs up` wrote into the data directory."""
+    """TRAINJOBS_TOKEN, else the admin token the API (or `trainjobs up`) wrote into the secrets directory."""
     if settings.token:
         return settings.token
-    path = settings.data_dir / "admin.token"
+    path = settings.admin_token_file
     return path.read_text().strip() if path.is_file() else None
 
 
@@ -138,13 +138,17 @@ class Client:
         r = self._call("GET", f"/v1/jobs/{job_id}/logs", params={"offset": offset, "node_rank": node_rank})
         return r.text, int(r.headers["X-Next-Offset"]), r.headers["X-Job-Status"]
 
-    def events(self, job_id: str, last_event_id: str | None = None) -> Iterator[Event]:
-        """One connection to the job's event stream, until the server ends it or the connection drops."""
+    def events(self, job_id: str, last_event_id: str | None = None, metrics: str = "all") -> Iterator[Event]:
+        """One connection to the job's event stream, until the server ends it or the connection drops.
+        `metrics`: "all" the points (from the start or last_event_id), "new" those after the series' present
+        end, "none" no `metrics` events."""
         headers = {"Accept": "text/event-stream"} | ({"Last-Event-ID": last_event_id} if last_event_id else {})
-        with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=STREAM_TIMEOUT) as r:
+        params = {"metrics": metrics} if metrics != "all" else {}
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, params=params,
+                              timeout=STREAM_TIMEOUT) as r:
             yield from parse_sse(raise_for_status(r).iter_lines())
 
-    def follow_events(self, job_id: str, *, give_up_s: float = 60) -> Iterator[Event]:
+    def follow_events(self, job_id: str, *, metrics: str = "all", give_up_s: float = 60) -> Iterator[Event]:
         """The job's events up to its terminal status, across dropped connections and API restarts.
 
         Each reconnect sends the last event id seen, so the API resends status and progress and only the metric
@@ -153,7 +157,7 @@ class Client:
         last_id, delay, failing_since = None, 0.2, None
         while True:
             try:
-                for event in self.events(job_id, last_event_id=last_id):
+                for event in self.events(job_id, last_event_id=last_id, metrics=metrics):
                     last_id, delay, failing_since = event.id or last_id, 0.2, None
                     yield event
                     if event.kind == "status" and event.data.get("status") in TERMINAL:
@@ -196,7 +200,7 @@ class Client:
                 if text:
                     yield text
             return
-        for event in self.follow_events(job_id):
+        for event in self.follow_events(job_id, metrics="none"):  # the log and the status only
             grown = event.kind == "logs" and event.data["next_offset"] > offset
             if grown or (event.kind == "status" and event.data["status"] in TERMINAL):
                 text, offset, _status = self.logs(job_id, offset)

@@ -10,8 +10,9 @@ Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
 class _Strict(BaseModel):
-    # An unknown field is a typo the user wants to hear about, not something to drop.
-    model_config = ConfigDict(extra="forbid")
+    # An unknown field is a typo the user wants to hear about, not something to drop; NaN and infinities are
+    # not JSON (the API refuses them), so a spec built in Python refuses them too.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Resources(_Strict):
@@ -125,6 +126,8 @@ class TrainConfig(_Strict):
     eval_batches: int = Field(16, ge=1, le=100_000, description="batches per rank in one evaluation")
     checkpoint_every: int | None = Field(None, ge=1, le=100_000_000, description="steps between checkpoints")
     keep_checkpoints: int = Field(2, ge=1, le=1000, description="complete checkpoints kept")
+    stop_on_nan: bool = Field(True, description="fail the run (not retried) once the loss is NaN or infinite; "
+                              "checked on log steps")
 
 
 class FaultInjection(_Strict):

@@ -17,6 +17,7 @@ import worker.agent  # preloaded: each forked work-horse starts with it imported
 from service.db import make_engine, make_sessionmaker
 from service.jobs.queue import queue_names
 from service.settings import get_settings
+from service.undumpable import make_undumpable
 from trainjobs.runenv import PREEMPT_SIGNAL
 from worker.agent import request_preemption
 from worker.dispatch import Chooser, FittingQueue
@@ -67,6 +68,11 @@ class PreemptingWorker(Worker):
 def main(burst: bool = False, *, slots: int | None = None, device: str | None = None,
          labels: list[str] | None = None, address: str | None = None) -> None:
     """Flags override the environment (TRAINJOBS_WORKER_SLOTS, _DEVICE, _LABELS, _ADDRESS), then detection."""
+    # First: this process and its work-horses (forks) hold the database and Redis URLs, and the ranks of an
+    # entrypoint job are their descendants with the same uid (service/undumpable.py).
+    if not make_undumpable():
+        logging.getLogger(__name__).warning("could not make the worker undumpable: jobs of its uid can read "
+                                            "its environment (the database URL) from /proc")
     for key, value in (("SLOTS", slots), ("DEVICE", device), ("ADDRESS", address)):
         if value is not None:
             os.environ[f"TRAINJOBS_WORKER_{key}"] = str(value)

@@ -1,6 +1,7 @@
 """Move what a run writes (output, metric lines) into the database in batches."""
 
 import codecs
+import math
 import os
 import threading
 from datetime import UTC, datetime
@@ -12,6 +13,26 @@ from service.logs import service as logs
 from service.metrics import service as metrics
 from trainjobs.runenv import parse_record
 from worker.redact import Redactor
+
+NUL, REPLACEMENT = "\x00", "\ufffd"  # PostgreSQL stores no NUL in text; U+FFFD is what a decoder shows for bad bytes
+
+
+def storable_text(text: str) -> str:
+    """Text any database stores: NUL and lone surrogates (json.loads makes them from "\\ud800") replaced."""
+    return text.replace(NUL, REPLACEMENT).encode("utf-8", "replace").decode()
+
+
+def storable_json(value):
+    """A record's JSON with non-finite floats as null and text storable: a summary's NaN breaks strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, dict):
+        return {storable_text(str(k)): storable_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [storable_json(v) for v in value]
+    return value
 
 
 class OutputPump:
@@ -53,9 +74,13 @@ class LogShipper:
         self.truncated = False
         self.recent = ""  # the last few KiB, for error excerpts
         self.redact = Redactor(os.environ)  # the worker's secrets, should a rank print them
+        self.nul_bytes = 0  # NUL bytes of output stored as U+FFFD
 
     def stage(self, data: bytes, *, final: bool = False) -> None:
         text = self._decoder.decode(data, final=final)
+        if NUL in text:  # NOTE: one NUL would fail every commit of the job's log on PostgreSQL
+            self.nul_bytes += text.count(NUL)
+            text = text.replace(NUL, REPLACEMENT)
         self.recent = self.redact((self.recent + text)[-8192:])
         if not self.truncated:
             self.pending += text
@@ -90,6 +115,10 @@ class MetricTail:
         self.preempted_at_step: int | None = None  # the runtime stopped there on request (checkpoint saved)
         self._last_time: float | None = None
         self._timed = False  # the built-in runtime reports step_time_s; a user's script usually does not
+        # What could not be stored as written (committed counts; a failed commit's batch is read again).
+        self.renamed, self.dropped = 0, 0  # metric names with NUL (U+FFFD now); non-finite values not stored
+        self.first_dropped: tuple[str, int, float] | None = None  # (name, step, value) of the first dropped
+        self._changes = (0, 0, None)
 
     def write(self, db: Session, *, job_id: str, attempt: int, node_rank: int = 0) -> int:
         try:
@@ -101,12 +130,13 @@ class MetricTail:
         end = data.rfind(b"\n") + 1
         self._next_pos = self.pos + end
         rows = []
+        renamed, dropped, first = 0, 0, self.first_dropped
         for line in data[:end].splitlines():
             record = parse_record(line)
             if record is None:
                 continue
             if record["type"] == "summary":
-                self.summary = record["summary"]
+                self.summary = storable_json(record["summary"])
                 continue
             if record["type"] == "progress":
                 self.total_steps = record["total_steps"]
@@ -119,13 +149,44 @@ class MetricTail:
                 continue
             t = datetime.fromtimestamp(record["time"], UTC)
             step = record["step"]
-            rows.extend((step, name, value, t) for name, value in record["metrics"].items())
-            if "step_time_s" in record["metrics"]:
-                self.last_step_time_s, self._timed = record["metrics"]["step_time_s"], True
+            points = {}
+            for name, value in record["metrics"].items():
+                # Sanitized here, at the edge: one unstorable value would fail the whole batch on every poll.
+                stored = storable_text(name)
+                renamed += stored != name
+                try:
+                    value = float(value)
+                except OverflowError:  # an integer past any float
+                    value = math.inf
+                if not math.isfinite(value):
+                    dropped += 1
+                    first = first or (stored, step, value)
+                    continue
+                points[stored] = value
+            rows.extend((step, name, value, t) for name, value in points.items())
+            if "step_time_s" in points:
+                self.last_step_time_s, self._timed = points["step_time_s"], True
             elif not self._timed and step > self.last_step and self._last_time is not None:
                 self.last_step_time_s = (record["time"] - self._last_time) / (step - self.last_step)
             self.last_step, self._last_time = step, record["time"]
+        self._changes = (renamed, dropped, first)
         return metrics.insert_batch(db, job_id=job_id, attempt=attempt, node_rank=node_rank, rows=rows)
 
     def committed(self) -> None:
         self.pos = self._next_pos
+        renamed, dropped, self.first_dropped = self._changes
+        self.renamed, self.dropped, self._changes = self.renamed + renamed, self.dropped + dropped, (0, 0, None)
+
+
+def sanitized_note(logs: LogShipper, tail: MetricTail) -> str | None:
+    """The one log line that says what shipping changed to store an attempt's output and metrics, if anything."""
+    changes = []
+    if logs.nul_bytes:
+        changes.append(f"{logs.nul_bytes} NUL byte(s) of output stored as U+FFFD")
+    if tail.renamed:
+        changes.append(f"{tail.renamed} metric value(s) whose name held NUL stored under U+FFFD")
+    if tail.dropped:
+        name, step, value = tail.first_dropped
+        changes.append(f"{tail.dropped} non-finite metric value(s) not stored (the first: {name} = {value} "
+                       f"at step {step})")
+    return f"\n[trainjobs] {'; '.join(changes)}\n" if changes else None

@@ -1,6 +1,7 @@
 """Launch torchrun for one attempt and watch it: ship output and metrics, honour cancel and timeout."""
 
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -9,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.jobs import lifecycle
@@ -18,7 +20,7 @@ from trainjobs.spec import JobSpec
 from trainjobs.states import ErrorType, JobStatus
 from worker import launch, processes
 from worker.root_cause import root_cause
-from worker.shipping import LogShipper, MetricTail, OutputPump
+from worker.shipping import LogShipper, MetricTail, OutputPump, sanitized_note
 
 log = logging.getLogger(__name__)
 PREEMPT_RESEND_S = 1.0  # how often a preemption request is repeated to the ranks until they act on it
@@ -47,6 +49,9 @@ class Supervisor:
         self.cancel_requested = False
         self.lease_lost = False  # the sweeper gave the job away: stop, write nothing more
         self._renewed = -float("inf")  # when the lease was last renewed (monotonic)
+        # When the lease held in the database runs out, as far as this worker knows (the claim or the gang's
+        # forming renewed it just before): past it the sweeper may have given the job to another attempt.
+        self._lease_ends = time.monotonic() + settings.lease_s
         self._lease_extra_s = 0.0  # added to the lease while the ranks are being stopped
         self.preempt_requests = 0  # the worker is shutting down: 1 = checkpoint and hand back, 2 = stop now
         self._preempt_since: float | None = None
@@ -98,6 +103,10 @@ class Supervisor:
                 if stop_reason is None:
                     if self.lease_lost:
                         stop_reason = "lost"
+                    elif time.monotonic() > self._lease_ends:  # cut off from the database past the lease
+                        log.error("job %s: its lease ran out %.1fs ago unrenewed; stopping its ranks", self.job_id,
+                                  time.monotonic() - self._lease_ends)
+                        stop_reason = "lease_expired"
                     elif self.cancel_requested:
                         stop_reason = "cancelled"
                     elif time.monotonic() - started > self.spec.timeout_s:
@@ -105,7 +114,7 @@ class Supervisor:
                     elif self._preempt_past_grace(proc.pid):
                         stop_reason = "preempted"
                 if stop_reason is not None:
-                    if stop_reason != "lost":
+                    if stop_reason not in ("lost", "lease_expired"):
                         # stop_all blocks through the grace period: hold the lease past it, so a slow-dying
                         # cancel is not settled as a lost worker meanwhile.
                         self._lease_extra_s, self._renewed = self.settings.cancel_grace_s + 2, float("-inf")
@@ -120,6 +129,9 @@ class Supervisor:
             pump.join()
             self.logs.stage(pump.take(), final=True)
             self._ship(pump)
+            if note := sanitized_note(self.logs, self.metrics):  # once, after the last metric line was read
+                self.logs.stage(note.encode())
+                self._ship(pump)
         finally:
             # Whatever happened above, no process of this attempt outlives the supervisor.
             if left := processes.find_processes(proc.pid, self.tag):
@@ -160,11 +172,13 @@ class Supervisor:
         cut off past its lease) nothing more is written for this one.
         """
         self.logs.stage(pump.take())
+        asked = time.monotonic()
+        renew = asked - self._renewed >= self.settings.heartbeat_s
+        lease_s = self.settings.lease_s + self._lease_extra_s if renew else None
         try:
             with self.sessions() as db:
-                renew = time.monotonic() - self._renewed >= self.settings.heartbeat_s
                 held = lifecycle.hold(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
-                                      lease_s=self.settings.lease_s + self._lease_extra_s if renew else None)
+                                      lease_s=lease_s)
                 if held is None:
                     db.rollback()
                     self.lease_lost = True
@@ -183,17 +197,39 @@ class Supervisor:
                 db.commit()
             self.logs.committed()
             self.metrics.committed()
-            self._renewed = time.monotonic() if renew else self._renewed
-            self.cancel_requested = held.cancel_requested
-        except Exception:  # noqa: BLE001 - a database blip must never kill a healthy run
+            self._held(held, asked=asked, lease_s=lease_s)
+        except Exception as exc:  # noqa: BLE001 - a database blip must never kill a healthy run
             log.exception("shipping for job %s failed; will retry", self.job_id)
+            if not isinstance(exc, OperationalError):  # unreachable: a lease alone would wait on it as long again
+                self._hold_only(asked, lease_s)
+
+    def _hold_only(self, asked: float, lease_s: float | None) -> None:
+        """Renew the lease in a transaction of its own: data the database refuses must never cost the job."""
+        try:
+            with self.sessions() as db:
+                held = lifecycle.hold(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
+                                      lease_s=lease_s)
+                if held is None:
+                    db.rollback()
+                    self.lease_lost = True
+                    return
+                db.commit()
+            self._held(held, asked=asked, lease_s=lease_s)
+        except Exception:  # noqa: BLE001 - the database is down: the lease runs out (run() stops the ranks then)
+            log.exception("renewing the lease of job %s failed; will retry", self.job_id)
+
+    def _held(self, held: lifecycle.Held, *, asked: float, lease_s: float | None) -> None:
+        if lease_s is not None:  # counted from before the request: the database's lease ends no earlier
+            self._renewed, self._lease_ends = time.monotonic(), asked + lease_s
+        self.cancel_requested = held.cancel_requested
 
     def _progress(self) -> dict:
         # An entrypoint's total is what its script reported (report(total_steps=...)), if anything.
         total = self.metrics.total_steps if self.spec.entrypoint else self.spec.train.max_steps
         step, step_time_s = self.metrics.last_step, self.metrics.last_step_time_s
         eta = max(0.0, (total - step) * step_time_s) if total and step_time_s else None
-        return {"step": step, "total_steps": total, "eta_s": eta}
+        # NOTE: a script's absurd step times can overflow it, and strict JSON (PostgreSQL's) has no infinity.
+        return {"step": step, "total_steps": total, "eta_s": eta if eta is None or math.isfinite(eta) else None}
 
     def _outcome(self, exit_code: int | None, stop_reason: str | None, killed: list[int]) -> Outcome:
         if stop_reason == "cancelled":
@@ -206,18 +242,29 @@ class Supervisor:
             error = {"type": ErrorType.ATTEMPT_LOST, "message": "another attempt or a cancel took the job",
                      "rank": None, "exit_code": exit_code}
             return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
+        if stop_reason == "lease_expired":  # as the sweeper would say it: a lost worker, retried at once
+            error = {"type": ErrorType.WORKER_LOST, "rank": None, "exit_code": exit_code, "node_rank": self.node_rank,
+                     "message": f"the worker could not renew its lease for over lease_s={self.settings.lease_s:g}s "
+                                "(the database was out of reach); its ranks were stopped"}
+            return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
+        # The ranks checkpointed and stopped on a preemption: this node's, or (the runtime all-reduces the request)
+        # another node's of the gang, whose ranks then exit 0 here too. Either way the job is not done.
+        step = self.metrics.preempted_at_step
         # The built-in runtime always ends with a summary; a user's script need not report at all.
         # A node of a gang whose ranks do not include global rank 0 has no summary to show (only metrics).
-        finished = exit_code == 0 and (self.metrics.summary is not None or self.spec.entrypoint is not None
-                                       or self.gang is not None)
+        finished = exit_code == 0 and step is None and (self.metrics.summary is not None
+                                                        or self.spec.entrypoint is not None or self.gang is not None)
         # NOTE: whatever else ended it while the worker shuts down (a job that finished in the grace apart),
-        # the job goes back to the queue: not failed, no retry spent.
-        if stop_reason == "preempted" or (self.preempt_requests and not finished):
+        # the job goes back to the queue: not failed, no retry spent. A hand-back closes the whole gang.
+        if stop_reason == "preempted" or (self.preempt_requests and not finished) or step is not None:
             if self.cancel_requested:  # asked for while the ranks were stopping: the user's word wins
                 return Outcome(JobStatus.CANCELLED, exit_code, killed_pids=killed)
-            step = self.metrics.preempted_at_step
-            detail = (f"preempted by worker shutdown at step {step}" if step is not None
-                      else "preempted by worker shutdown; it resumes from its last checkpoint")
+            if not self.preempt_requests:
+                detail = f"handed back with its gang at step {step}: another node's worker is shutting down"
+            elif step is not None:
+                detail = f"preempted by worker shutdown at step {step}"
+            else:
+                detail = "preempted by worker shutdown; it resumes from its last checkpoint"
             return Outcome(JobStatus.QUEUED, exit_code, detail=detail, killed_pids=killed)
         if finished:
             return Outcome(JobStatus.SUCCEEDED, exit_code, summary=self.metrics.summary)

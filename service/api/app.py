@@ -15,6 +15,7 @@ from service.api.health import router as health_router
 from service.api.middleware import BodyLimit, RefuseNul
 from service.api.plan import router as plan_router
 from service.api.prometheus import install as install_prometheus
+from service.api.strict_json import refuse_non_finite
 from service.api.sweeper import Sweeper
 from service.artifacts.router import router as artifacts_router
 from service.auth import tokens
@@ -37,9 +38,8 @@ async def lifespan(app: FastAPI):
     settings = app.state.settings
     if settings.auth:
         with app.state.sessionmaker() as db:
-            if tokens.bootstrap_admin(db, settings.data_dir):
-                log.warning("first start: an admin token was written to %s (mode 0600)",
-                            tokens.admin_token_path(settings.data_dir))
+            if tokens.bootstrap_admin(db, settings):
+                log.warning("first start: an admin token was written to %s (mode 0600)", settings.admin_token_file)
     sweeper = Sweeper(app.state.settings, app.state.sessionmaker, app.state.redis)
     thread = threading.Thread(target=sweeper.run, name="sweeper", daemon=True)
     thread.start()
@@ -87,10 +87,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.include_router(health_router)  # /healthz and /readyz stay open
     app.include_router(dashboard_router)  # the page is open: the /v1 calls it makes carry the token
-    # Every /v1 route needs a token, whether or not its own signature asks for the principal.
+    # Every /v1 route needs a token, whether or not its own signature asks for the principal, and takes only
+    # finite numbers in its body (strict JSON).
     for router in (jobs_router, metrics_router, logs_router, artifacts_router, plan_router, events_router,
                    auth_router, workers_router):
-        app.include_router(router, dependencies=[Depends(current_principal)], responses=responses(401, 422))
+        app.include_router(router, dependencies=[Depends(current_principal), Depends(refuse_non_finite)],
+                           responses=responses(401, 422))
     install_prometheus(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # outermost: before anything reads a body
     app.add_middleware(RefuseNul)

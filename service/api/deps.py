@@ -9,6 +9,11 @@ from sqlalchemy.orm import Session
 
 from service.settings import Settings
 
+# The largest values the database's integer columns hold (PostgreSQL's INTEGER and BIGINT; SQLite's are all
+# 64-bit): a number in a request past its column's is a 422 naming it, not a query that fails in the database.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
 
 def get_db(request: Request) -> Iterator[Session]:
     with request.app.state.sessionmaker() as session:

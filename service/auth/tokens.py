@@ -2,6 +2,7 @@
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ from sqlalchemy.orm import Session
 from service.auth.models import ApiToken, User
 from service.db import utcnow
 from service.errors import InvalidRequest, TrainjobsError
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
 
 PREFIX = "tj_"  # recognisable in a leaked config file or a secret scanner
 ADMIN_USER = "admin"
@@ -117,24 +121,40 @@ def has_live_admin(db: Session) -> bool:
         (ApiToken.expires_at.is_(None)) | (ApiToken.expires_at > now)).limit(1)) is not None
 
 
-def bootstrap_admin(db: Session, data_dir: Path) -> str | None:
-    """On a first start (no live admin token): create one, write it to data_dir/admin.token (0600), return it.
+def bootstrap_admin(db: Session, settings: Settings) -> str | None:
+    """On a first start (no live admin token): create one, write it to the admin token file (0600), return it.
 
-    A token file left from an older database whose token no longer works is replaced.
+    A token file left from an older database whose token no longer works is replaced; one that an older
+    version wrote into the data dir, where jobs can read it, is moved to the secrets dir.
     """
-    path = admin_token_path(data_dir)
+    path = settings.admin_token_file
+    _move_legacy_token(settings.data_dir / path.name, path)
     if has_live_admin(db):
         if path.exists() and authenticate(db, path.read_text().strip()) is None:
             path.unlink()  # stale: from a database since reset
         return None
     _, secret = create(db, name="bootstrap", user=ADMIN_USER, role="admin")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
-    os.chmod(path, 0o600)  # also when the file existed with a wider mode
+    write_secret(path, secret)
     return secret
 
 
-def admin_token_path(data_dir: Path) -> Path:
-    return data_dir / "admin.token"
+def write_secret(path: Path, text: str) -> None:
+    """A file only this uid can read (0600), in a folder only this uid can enter (0700)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder = path.parent.stat()
+    if folder.st_mode & 0o077 and folder.st_uid == os.getuid():
+        os.chmod(path.parent, 0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # also when the file existed with a wider mode
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+
+
+def _move_legacy_token(old: Path, new: Path) -> None:
+    if not (old.is_file() or old.is_symlink()):
+        return
+    if old.is_file() and not old.is_symlink() and not new.exists():
+        write_secret(new, old.read_text().strip())
+    old.unlink()
+    log.warning("moved the admin token file out of the data dir (jobs could read it there) to %s; if users' "
+                "entrypoint jobs ran, revoke that token and make a new one", new)

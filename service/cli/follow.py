@@ -5,6 +5,7 @@ from datetime import timedelta
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from trainjobs.client import Client, Event
 
@@ -59,40 +60,41 @@ def follow(client: Client, job_id: str, console: Console | None = None) -> dict:
     try:
         return follow_events(client, job_id, console)
     except KeyboardInterrupt:
-        Console(stderr=True).print(f"stopped following job {job_id}; it keeps running "
-                                   f"(`trainjobs cancel {job_id}` stops it)")
+        Console(stderr=True, markup=False).print(f"stopped following job {job_id}; it keeps running "
+                                                 f"(`trainjobs cancel {job_id}` stops it)")
         raise
 
 
 def follow_events(client: Client, job_id: str, console: Console | None) -> dict:
     job = client.get(job_id)
     view = ProgressView(job)
+    # The bar shows the latest values: points written from now on, never the series' history.
     if console is None:
-        for event in client.follow_events(job_id):
+        for event in client.follow_events(job_id, metrics="new"):
             view.apply(event)
         return client.get(job_id)
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[steps]}"),
-               TextColumn("{task.fields[status]}"), TextColumn("{task.fields[loss]}"),
-               TextColumn("{task.fields[speed]}"), TextColumn("{task.fields[eta]}"))
+    columns = (TextColumn("{task.description}", style="bold", markup=False),  # the job's name, as text
+               BarColumn(), TextColumn("{task.fields[steps]}"), TextColumn("{task.fields[status]}"),
+               TextColumn("{task.fields[loss]}"), TextColumn("{task.fields[speed]}"), TextColumn("{task.fields[eta]}"))
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(job["name"], **view.fields())
-        for event in client.follow_events(job_id):
+        for event in client.follow_events(job_id, metrics="new"):
             view.apply(event)
             bar.update(task, **view.fields())
     return client.get(job_id)
 
 
 def print_outcome(job: dict, console: Console) -> int:
-    """The job's final status, summary and error; returns its exit code."""
+    """The job's final status, summary and error (the user's text, printed as text); returns its exit code."""
     style = {"succeeded": "green", "failed": "red", "cancelled": "yellow"}.get(job["status"], "white")
-    console.print(f"job [bold]{job['id']}[/] [{style}]{job['status']}[/]")
+    console.print(Text.assemble("job ", (job["id"], "bold"), " ", (job["status"], style)))
     if job.get("summary"):
         table = Table("metric", "value", title="summary")
         for key, value in job["summary"].items():
-            table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
+            table.add_row(Text(key), Text(f"{value:.6g}" if isinstance(value, float) else str(value)))
         console.print(table)
     if job.get("error"):
         err = job["error"]
         rank = f" on rank {err['rank']}" if err.get("rank") is not None else ""
-        console.print(f"[red]{err.get('type')}{rank}: {err.get('message')}[/]")
+        console.print(Text(f"{err.get('type')}{rank}: {err.get('message')}", style="red"))
     return exit_code(job)

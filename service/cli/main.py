@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import yaml
 from rich.console import Console
+from rich.text import Text
 
 from service.cli import tables
 from service.cli import tokens as auth_cli
@@ -18,7 +19,9 @@ from service.settings import Settings, check_bind, get_settings
 from trainjobs.client import APIError, Client, find_token
 from trainjobs.states import TERMINAL, JobStatus
 
-console = Console()
+# What the CLI prints is mostly the user's own text (job names, error messages, logs): printed as text, never read
+# as rich markup (`[rank0]: boom` stays whole, and a `[/]` in it is no crash). Styling is explicit (Text).
+console = Console(markup=False)
 
 
 def load_spec(path: str) -> dict:
@@ -48,7 +51,7 @@ def cmd_plan(args, client: Client) -> int:
         print_json(plan)
         return 0 if plan["strategy"] else 1
     console.print(tables.plan_table(plan))
-    console.print(f"choice: [bold]{plan['choice'] or 'nothing fits'}[/] ({plan['reason']})")
+    console.print(Text.assemble("choice: ", (plan["choice"] or "nothing fits", "bold"), f" ({plan['reason']})"))
     return 0 if plan["strategy"] else 1
 
 
@@ -122,7 +125,9 @@ def cmd_db(args, settings: Settings) -> int:
 
 def cmd_up(args, settings: Settings) -> int:
     from service.cli.stack import Stack, run_forever
+    from service.undumpable import make_undumpable
 
+    make_undumpable()  # the ranks descend from this process: they must not read the new admin token from it
     stack = Stack(settings, host=args.host, port=args.port, workers=args.workers)
     try:
         stack.start()
@@ -132,7 +137,7 @@ def cmd_up(args, settings: Settings) -> int:
     console.print(f"trainjobs up: API {stack.api_url}, {args.workers} worker(s), "
                   f"database {settings.resolved_database_url}. Ctrl-C stops everything.")
     if stack.new_admin_token:
-        console.print(f"admin token (saved to {settings.data_dir / 'admin.token'}, mode 0600; the CLI reads it "
+        console.print(f"admin token (saved to {settings.admin_token_file}, mode 0600; the CLI reads it "
                       f"there):\n{stack.new_admin_token}", soft_wrap=True)
     return run_forever(stack)
 
@@ -140,7 +145,9 @@ def cmd_up(args, settings: Settings) -> int:
 def cmd_demo(args, settings: Settings) -> int:
     """Start a stack on a free port, run one job with a progress bar, print its summary, stop."""
     from service.cli.stack import Stack
+    from service.undumpable import make_undumpable
 
+    make_undumpable()  # as `up`
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -239,13 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             return args.remote(args, Client(settings.api_url, token=find_token(settings)))
         return args.local(args, settings)
     except APIError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(Text.assemble(("error:", "red"), f" {exc}"))
         return 2
     except httpx.TransportError as exc:
-        console.print(f"[red]error:[/] cannot reach the API at {settings.api_url} ({exc}); is `trainjobs up` running?")
+        console.print(Text.assemble(("error:", "red"), f" cannot reach the API at {settings.api_url} ({exc}); "
+                                                       "is `trainjobs up` running?"))
         return 2
     except (OSError, ValueError, RuntimeError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(Text.assemble(("error:", "red"), f" {exc}"))
         return 2
     except KeyboardInterrupt:
         return 130

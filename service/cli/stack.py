@@ -86,14 +86,14 @@ class Stack:
         self._wait_ready()
 
     def _admin_token(self) -> str | None:
-        """The admin token of data_dir/admin.token, made (and the file written) on a first start."""
+        """The admin token of the admin token file (in the secrets dir), made (and written) on a first start."""
         engine = make_engine(self.settings.resolved_database_url)
         try:
             with make_sessionmaker(engine)() as db:
-                self.new_admin_token = tokens.bootstrap_admin(db, self.settings.data_dir)
+                self.new_admin_token = tokens.bootstrap_admin(db, self.settings)
         finally:
             engine.dispose()
-        path = tokens.admin_token_path(self.settings.data_dir)
+        path = self.settings.admin_token_file
         return self.new_admin_token or (path.read_text().strip() if path.is_file() else None)
 
     def add_workers(self, n: int, args: list[str] | None = None, env: dict[str, str] | None = None

@@ -4,6 +4,7 @@ JSON)."""
 from datetime import UTC, datetime
 
 from rich.table import Column, Table
+from rich.text import Text
 
 
 def plan_table(plan: dict) -> Table:
@@ -12,7 +13,8 @@ def plan_table(plan: dict) -> Table:
     for key in dict.fromkeys([*plan["ddp"]["breakdown"], *plan["fsdp"]["breakdown"]]):
         row = [plan[s]["breakdown"].get(key) for s in ("ddp", "fsdp")]
         table.add_row(key, *("" if v is None else f"{v / 2**30:.3f} GiB" for v in row))
-    table.add_row("[bold]total", *(f"[bold]{plan[s]['total_gib']:.3f} GiB" for s in ("ddp", "fsdp")))
+    table.add_row(Text("total", style="bold"), *(Text(f"{plan[s]['total_gib']:.3f} GiB", style="bold")
+                                                  for s in ("ddp", "fsdp")))
     return table
 
 

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from trainjobs.client import Client
 
-err = Console(stderr=True)
+err = Console(stderr=True, markup=False)  # names and users are the user's text, printed as text
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -46,7 +46,7 @@ def cmd_list(args, client: Client) -> int:
     for t in page["data"]:
         table.add_row(t["id"], t["name"], t["user"], t["role"], t["created_at"], t["last_used_at"] or "",
                       t["expires_at"] or "", t["revoked_at"] or "")
-    Console().print(table)
+    Console(markup=False).print(table)
     return 0
 
 

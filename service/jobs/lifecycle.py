@@ -8,7 +8,7 @@ live here and nowhere else:
   the nodes of a gang, the sweeper and the API never deadlock on each other's attempt rows.
 - Fencing: a move names the attempt it belongs to (`Job.attempt == attempt`); a stale worker whose job was
   given to a newer attempt changes nothing.
-- Leases: an attempt's node holds the job while its lease (the database's time, `lease_s` ahead) is fresh;
+- Leases: an attempt's node holds the job while its lease (the database's clock, `lease_s` ahead) is fresh;
   closing one as lost needs it still expired in the UPDATE itself, so a renewal that raced the sweeper wins.
 - An attempt is settled once: close_attempt moves only an `active` row.
 
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import ColumnElement, func, or_, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service.db import utcnow
+from service.db import UTCDateTime, utcnow
 from service.errors import InvalidTransition
 from service.jobs import retries
 from service.jobs.models import Attempt, Job
@@ -44,8 +44,27 @@ def lock_job(db: Session, job_id: str) -> Job | None:
                       .execution_options(populate_existing=True)).first()
 
 
-def lease_until(lease_s: float) -> datetime:
-    return utcnow() + timedelta(seconds=lease_s)
+def db_now(db: Session) -> ColumnElement:
+    """The database's clock, in SQL: leases are set and judged by it alone, so a worker's clock may drift."""
+    return _sqlite_time(db, "now") if db.get_bind().dialect.name == "sqlite" else func.now()
+
+
+def read_db_now(db: Session) -> datetime:
+    """The database's clock, read (once per transaction, where a time is also reported)."""
+    return db.scalar(select(type_coerce(db_now(db), UTCDateTime())))
+
+
+def lease_until(db: Session, lease_s: float) -> ColumnElement:
+    """lease_s ahead of the database's clock, in SQL."""
+    if db.get_bind().dialect.name == "sqlite":
+        return _sqlite_time(db, "now", f"{lease_s:+.6f} seconds")
+    return func.now() + timedelta(seconds=lease_s)  # NOTE: now() is the transaction's start: never later
+
+
+def _sqlite_time(db: Session, *modifiers: str) -> ColumnElement:
+    # SQLite has no time type: SQLAlchemy stores "YYYY-MM-DD HH:MM:SS.ffffff" and compares the text. This is
+    # the same text (strftime gives milliseconds), so it compares and reads back as the values Python wrote.
+    return func.strftime("%Y-%m-%d %H:%M:%f", *modifiers).concat("000")
 
 
 def active_nodes(db: Session, *, job_id: str, attempt: int) -> int:
@@ -117,7 +136,7 @@ def claim(db: Session, *, job_id: str, worker: str, lease_s: float) -> tuple[int
         log.info("job %s not claimed (status %s)", job_id, job.status if job else "unknown")
         return None
     db.add(Attempt(job_id=job_id, number=job.attempt, worker=worker, node_rank=0, started_at=utcnow(),
-                   status=AttemptStatus.ACTIVE, lease_expires_at=lease_until(lease_s)))
+                   status=AttemptStatus.ACTIVE, lease_expires_at=lease_until(db, lease_s)))
     spec = job.spec
     workers.occupy(db, worker_id=worker, job_id=job_id, slots=spec.resources.nproc_per_node)
     return job.attempt, spec
@@ -135,7 +154,7 @@ def join(db: Session, *, job_id: str, attempt: int, node_rank: int, worker: str,
         return None
     spec = job.spec
     db.add(Attempt(job_id=job_id, number=attempt, worker=worker, node_rank=node_rank, started_at=utcnow(),
-                   status=AttemptStatus.ACTIVE, lease_expires_at=lease_until(lease_s)))
+                   status=AttemptStatus.ACTIVE, lease_expires_at=lease_until(db, lease_s)))
     try:
         db.flush()
     except IntegrityError:  # that node is taken already
@@ -230,7 +249,7 @@ def start_running(db: Session, *, job_id: str, attempt: int, detail: str) -> boo
 
 def renew_lease(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: float | None) -> bool:
     """Push this node's lease lease_s ahead (None: leave it, only check); False once the node is closed."""
-    expires = lease_until(lease_s) if lease_s is not None else Attempt.lease_expires_at
+    expires = lease_until(db, lease_s) if lease_s is not None else Attempt.lease_expires_at
     return db.execute(update(Attempt).where(
         Attempt.job_id == job_id, Attempt.number == attempt, Attempt.node_rank == node_rank,
         Attempt.status == AttemptStatus.ACTIVE).values(lease_expires_at=expires)).rowcount == 1
@@ -278,7 +297,7 @@ def close_attempt(db: Session, *, job_id: str, attempt: int, status: AttemptStat
 
     Closing it as lost also needs its lease still expired: a renewal that raced the sweeper's read wins.
     """
-    expired = [Attempt.lease_expires_at < utcnow()] if status == AttemptStatus.LOST else []
+    expired = [Attempt.lease_expires_at < db_now(db)] if status == AttemptStatus.LOST else []
     return db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt,
                                             Attempt.node_rank == node_rank, Attempt.status == AttemptStatus.ACTIVE,
                                             *expired)
@@ -329,16 +348,26 @@ def settle_failure(db: Session, *, job_id: str, attempt: int, error: dict,
     if job is None:
         return None
     earlier = history(db, job_id)
+    # NOTE: once a cancel is asked, a node that dies (a gang's node whose ranks a peer's SIGTERM killed before
+    # its supervisor read the flag) ends the job cancelled, as the user asked, not failed.
+    cancelled = job.cancel_requested_at is not None
+    if cancelled and attempt_status == AttemptStatus.FAILED:
+        attempt_status = AttemptStatus.CANCELLED
     if not close_attempt(db, job_id=job_id, attempt=attempt, status=attempt_status, error=error,
                          exit_code=exit_code, node_rank=node_rank):
         return None  # already settled (the sweeper found it lost, or the worker recorded it): never twice
-    close_gang(db, job_id=job_id, attempt=attempt, why=f"node {node_rank}: {error.get('message')}")
+    close_gang(db, job_id=job_id, attempt=attempt, why=f"node {node_rank}: {error.get('message')}",
+               status=AttemptStatus.CANCELLED if cancelled else AttemptStatus.STOPPED)
+    if cancelled:
+        moved = transition(db, job_id=job_id, to=JobStatus.CANCELLED, attempt=attempt,
+                           detail=f"cancelled; node {node_rank} ended with: {error.get('message')}")
+        return JobStatus.CANCELLED if moved else None
     failures = db.scalar(select(func.count()).select_from(Attempt).where(
         Attempt.job_id == job_id, Attempt.status.in_(retries.COUNTED)))
     causes = [*({"attempt": e["attempt"], "type": e.get("type"), "message": e.get("message")} for e in earlier),
               {"attempt": attempt, "type": error.get("type"), "message": error.get("message")}]
     recorded = {**error, "attempts": causes}
-    if failures <= job.max_retries and retries.is_retryable(error, earlier) and job.cancel_requested_at is None:
+    if failures <= job.max_retries and retries.is_retryable(error, earlier):
         wait = retries.wait_s(error, failures)
         if transition(db, job_id=job_id, to=JobStatus.QUEUED, attempt=attempt,
                       detail=f"retry {failures}/{job.max_retries} in {wait:.0f}s: {error.get('message')}",
@@ -379,7 +408,7 @@ def expire_leases(db: Session) -> list[str]:
 
     A gang still forming has run nothing: it lets its other nodes go, and no retry is spent.
     """
-    now = utcnow()
+    now = read_db_now(db)
     rows = db.execute(
         select(Attempt.job_id, Attempt.number, Attempt.node_rank, Attempt.worker, Attempt.lease_expires_at,
                Job.status, Job.spec)

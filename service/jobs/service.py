@@ -104,6 +104,13 @@ def get(db: Session, *, job_id: str) -> Job:
     return job
 
 
+def owned_by(db: Session, *, job_ids: Collection[str], owner: str) -> set[str]:
+    """The ids in job_ids of jobs that owner owns (one query)."""
+    if not job_ids:
+        return set()
+    return set(db.scalars(select(Job.id).where(Job.id.in_(list(job_ids)), Job.owner == owner)))
+
+
 def dispatch_view(db: Session, *, job_ids: Collection[str]) -> dict[str, Row]:
     """What a worker's dequeue looks at, per job: id, status, attempt, spec and plan (one query)."""
     if not job_ids:

@@ -3,7 +3,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
-from service.api.deps import SessionDep
+from service.api.deps import INT32_MAX, SessionDep
 from service.auth.deps import JobIdDep
 from service.errors import responses
 from service.jobs import service as jobs
@@ -13,7 +13,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["logs"])
 
 
 @router.get("/{job_id}/logs", response_class=Response, responses=responses(404))
-def read_logs(job_id: JobIdDep, db: SessionDep, offset: Annotated[int, Query(ge=0)] = 0,
+def read_logs(job_id: JobIdDep, db: SessionDep, offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0,
               node_rank: Annotated[int, Query(ge=0, le=1023)] = 0) -> Response:
     """The combined torchrun output (of one node of a gang: node_rank) from a byte offset; X-Next-Offset says
     where to resume."""

@@ -2,7 +2,7 @@
 
 from datetime import datetime
 
-from sqlalchemy import Float, ForeignKey, Index, Integer, String
+from sqlalchemy import BigInteger, Float, ForeignKey, Index, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.db import Base, UTCDateTime, utcnow
@@ -11,7 +11,9 @@ from service.db import Base, UTCDateTime, utcnow
 class Metric(Base):
     __tablename__ = "metrics"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # 64-bit: a deployment stores more than 2^31 points in its life. SQLite's INTEGER PRIMARY KEY is the 64-bit rowid
+    # already (and only that exact type autoincrements there), so it keeps it.
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer, default=1)
     # The node of a gang whose local rank 0 reported it (0 for a one-node job). Node 0's points are the job's

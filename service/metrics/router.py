@@ -3,7 +3,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
-from service.api.deps import SessionDep
+from service.api.deps import INT32_MAX, SessionDep
 from service.auth.deps import JobIdDep
 from service.errors import responses
 from service.metrics import service
@@ -31,7 +31,7 @@ def read_metrics(
     job_id: JobIdDep,
     db: SessionDep,
     name: Annotated[str | None, Query(max_length=64)] = None,
-    after_step: Annotated[int | None, Query(ge=-1)] = None,
+    after_step: Annotated[int | None, Query(ge=-1, le=INT32_MAX)] = None,
     max_points: Annotated[int | None, Query(ge=1, le=100_000)] = None,
     node_rank: Annotated[int, Query(ge=0, le=1023)] = 0,  # nnodes is at most 1024
 ) -> MetricsPublic:

@@ -3,7 +3,9 @@
 from fastapi import APIRouter
 
 from service.api.deps import SessionDep, SettingsDep
+from service.auth.deps import PrincipalDep
 from service.db import utcnow
+from service.jobs import service as jobs
 from service.workers import service
 from service.workers.schemas import WorkerPublic, WorkersPublic
 
@@ -11,8 +13,12 @@ router = APIRouter(prefix="/v1/workers", tags=["workers"])
 
 
 @router.get("", response_model=WorkersPublic)
-def list_workers(db: SessionDep, settings: SettingsDep) -> WorkersPublic:
-    """A worker not heard from within the lease (TRAINJOBS_LEASE_S) shows as lost."""
+def list_workers(db: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> WorkersPublic:
+    """A worker not heard from within the lease (TRAINJOBS_LEASE_S) shows as lost. A user sees the current job
+    only when it is theirs (another owner's job id is a 404 everywhere else: no existence leak); an admin, all."""
     now = utcnow()
-    return WorkersPublic(items=[WorkerPublic.of(w, now=now, lost_after_s=settings.lease_s)
-                                for w in service.list_workers(db)])
+    workers = service.list_workers(db)
+    running = {w.current_job for w in workers if w.current_job}
+    shown = running if principal.is_admin else jobs.owned_by(db, job_ids=running, owner=principal.user)
+    return WorkersPublic(items=[WorkerPublic.of(w, now=now, lost_after_s=settings.lease_s,
+                                                show_job=w.current_job in shown) for w in workers])

@@ -24,11 +24,13 @@ class WorkerPublic(BaseModel):
     last_seen: datetime
 
     @classmethod
-    def of(cls, worker: Worker, *, now: datetime, lost_after_s: float) -> "WorkerPublic":
+    def of(cls, worker: Worker, *, now: datetime, lost_after_s: float, show_job: bool = True) -> "WorkerPublic":
+        """show_job=False hides the job it runs (another owner's, shown to a user)."""
         memory = round(worker.memory_bytes / GiB, 3) if worker.memory_bytes else None
         return cls(id=worker.id, host=worker.host, address=worker.address, device=worker.device,
                    slots=worker.slots, busy_slots=worker.busy_slots, memory_gb=memory, labels=worker.labels or {},
-                   state=shown_state(worker, now=now, lost_after_s=lost_after_s), current_job=worker.current_job,
+                   state=shown_state(worker, now=now, lost_after_s=lost_after_s),
+                   current_job=worker.current_job if show_job else None,
                    last_seen=worker.last_seen)
 
 

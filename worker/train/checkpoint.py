@@ -61,7 +61,7 @@ class Checkpointer:
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, position: Position) -> Path:
         """Collective: every rank calls it at the same step."""
-        self._check_owner()
+        check_owner(self.root.parent, "a checkpoint")
         path = self.root / f"{PREFIX}{position.step:08d}"
         if self.d.is_main and path.exists():  # a half-written one from an attempt that died saving
             shutil.rmtree(path)
@@ -73,7 +73,7 @@ class Checkpointer:
             (path / "trainer.json").write_text(json.dumps(asdict(position)))
         dist.barrier()  # every rank has written its part
         if self.d.is_main:
-            self._check_owner()
+            check_owner(self.root.parent, "a checkpoint")
             _write_atomic(path / COMPLETE, json.dumps({"step": position.step, "world_size": self.d.world_size}))
             self._prune()
         return path
@@ -89,15 +89,6 @@ class Checkpointer:
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return Position(**json.loads((path / "trainer.json").read_text()))
 
-    def _check_owner(self) -> None:
-        """Fencing: once a newer attempt owns the job's folder (this one was paused past its lease and the
-        job given away), this attempt must not write there. The supervisor writes OWNER at launch."""
-        owner = self.root.parent / OWNER
-        mine = os.environ.get(ATTEMPT_ENV)
-        if mine and owner.is_file() and owner.read_text().strip() != mine:
-            raise RuntimeError(f"attempt {mine} no longer owns the job (attempt {owner.read_text().strip()} does): "
-                               "not writing a checkpoint")
-
     def _prune(self) -> None:
         """Keep the newest `keep` complete checkpoints; drop older and unfinished ones."""
         complete = complete_checkpoints(self.root)
@@ -109,10 +100,21 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
 
 
+def check_owner(job_dir: Path, what: str) -> None:
+    """Fencing: once a newer attempt owns the job's folder (this one was paused past its lease and the
+    job given away), this attempt must not write there. The supervisor writes OWNER at launch."""
+    owner = job_dir / OWNER
+    mine = os.environ.get(ATTEMPT_ENV)
+    if mine and owner.is_file() and owner.read_text().strip() != mine:
+        raise RuntimeError(f"attempt {mine} no longer owns the job (attempt {owner.read_text().strip()} does): "
+                           f"not writing {what}")
+
+
 def save_model(model: nn.Module, d: Dist, artifacts_dir: Path | None) -> Path | None:
     """Collective: gather the full state dict to rank 0, which writes `model.pt` (plain tensor names)."""
     if artifacts_dir is None:
         return None
+    check_owner(artifacts_dir.parent, "model.pt")  # every rank reads it, so all stop before the gather
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not d.is_main:
         return None
@@ -120,6 +122,7 @@ def save_model(model: nn.Module, d: Dist, artifacts_dir: Path | None) -> Path | 
     path = artifacts_dir / "model.pt"
     tmp = path.with_suffix(".pt.tmp")
     torch.save(full, tmp)
+    check_owner(artifacts_dir.parent, "model.pt")  # the gather and the write take a while: look again
     os.replace(tmp, path)
     return path
 

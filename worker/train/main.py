@@ -5,6 +5,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from trainjobs.runenv import (
     ARTIFACTS_DIR_ENV,
     ATTEMPT_ENV,
     CHECKPOINT_DIR_ENV,
+    DATA_DIR_ENV,
     METRICS_FILE,
     METRICS_FILE_ENV,
     SPEC_FILE,
@@ -25,7 +27,7 @@ from trainjobs.runenv import (
 from trainjobs.spec import JobSpec
 from worker.train.checkpoint import Checkpointer, Position, save_model
 from worker.train.data import BatchStream, DataInfo, build_dataset, split_eval
-from worker.train.distributed import cleanup_and_exit, init_distributed, mean_across_ranks, peak_memory_mb
+from worker.train.distributed import Dist, cleanup_and_exit, init_distributed, mean_across_ranks, peak_memory_mb
 from worker.train.flops import flops_per_sample, mfu, peak_flops
 from worker.train.models import build_model, loss_fn
 from worker.train.optim import build_optimizer, lr_at
@@ -33,14 +35,84 @@ from worker.train.preempt import Preemption
 from worker.train.strategies import apply_strategy
 
 
+class NonFiniteLoss(ValueError):
+    """The loss became NaN or infinite: training diverged (the job's error names the step)."""
+
+
 def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
+    """Build, resume, train to max_steps (or to a preemption), save and summarise, on every rank."""
     d = init_distributed(spec.resources.device)
     preemption = Preemption()  # from here on, the supervisor's signal is acted on rather than ignored
+    run = build(spec, data_dir, reporter_path, d)
+    announce(run)
+    cfg, window = spec.train, Window(run.position.step)
+    step, loss_value, metrics, diverged_at = run.position.step, None, {}, None
+    while step < cfg.max_steps:
+        if run.fault_armed and step == spec.fault_injection.raise_at_step:
+            raise RuntimeError(spec.fault_injection.message)
+        lr, step_loss, grad_norm = train_step(run, step)
+        step += 1
+        metrics = {}
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            loss_value = mean_across_ranks(step_loss)  # a collective, so only on log steps
+            if not math.isfinite(loss_value) and diverged_at is None:
+                diverged_at = step
+                check_finite(run, loss_value, step)
+            metrics = step_metrics(run, window, step, loss=loss_value, lr=lr, grad_norm=grad_norm.item())
+        with window.paused():  # evaluation and checkpoints do not count against throughput
+            if run.evaluate and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                metrics["eval_loss"] = run.evaluate(run.model)
+                if d.is_main:
+                    print(f"step {step}/{cfg.max_steps} eval_loss {metrics['eval_loss']:.6f}", flush=True)
+            if metrics:
+                run.reporter.log(step, metrics)
+            if run.checkpoints.due(step):
+                run.checkpoints.save(run.model, run.optimizer, run.position_at(step))
+        if step < cfg.max_steps and preemption.due(step):  # every rank agrees on the step
+            hand_back(run.checkpoints, run.model, run.optimizer, run.position_at(step), run.reporter, d,
+                      saved=run.checkpoints.due(step))
+            return
+    preemption.close()
+    finish(run, step=step, wall=window.wall(), loss_value=loss_value, metrics=metrics, diverged_at=diverged_at)
+
+
+@dataclass
+class Run:
+    """What one rank trains with: built once by build(), then stepped."""
+
+    spec: JobSpec
+    d: Dist
+    info: DataInfo
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    stream: BatchStream
+    checkpoints: Checkpointer
+    evaluate: "Evaluator | None"
+    reporter: Reporter
+    position: Position  # where this attempt started (a resumed checkpoint's, else step 0)
+    resumed_from: Path | None  # the checkpoint it resumed from
+    train_samples: int
+    n_params: int
+    sample_flops: float
+    peak_flops: float | None  # of one device (CUDA only): for mfu
+    base_mem_mb: float  # before the model was built: what training adds is the peak minus this
+    fault_armed: bool
+
+    @property
+    def global_batch(self) -> int:
+        return self.spec.data.batch_size * self.d.world_size * self.spec.train.grad_accum_steps
+
+    def position_at(self, step: int) -> Position:
+        return Position(step, self.stream.epoch, self.stream.batches_in_epoch)
+
+
+def build(spec: JobSpec, data_dir: Path, reporter_path: Path | None, d: Dist) -> Run:
+    """The data, the model under its strategy, the optimizer, and the newest complete checkpoint loaded."""
     cfg = spec.train
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     dataset, info = build_dataset(spec, data_dir)
     train_set, eval_set = split_eval(dataset, cfg.eval_fraction if cfg.eval_every else None)
-    base_mem_mb = peak_memory_mb(d.device)  # before the model: what training adds is the peak minus this
+    base_mem_mb = peak_memory_mb(d.device)
     raw_model = build_model(spec.model, info)
     n_params = sum(p.numel() for p in raw_model.parameters())
     embedding_params = sum(m.weight.numel() for m in raw_model.modules() if isinstance(m, torch.nn.Embedding))
@@ -48,113 +120,147 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
     optimizer = build_optimizer(spec.optimizer, model)
     torch.manual_seed(cfg.seed + d.rank)  # then per-rank randomness
 
-    checkpoints = Checkpointer(env_path(CHECKPOINT_DIR_ENV), d, every=cfg.checkpoint_every,
-                               keep=cfg.keep_checkpoints)
+    checkpoints = Checkpointer(env_path(CHECKPOINT_DIR_ENV), d, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
     latest = [checkpoints.latest() if d.is_main else None]
     dist.broadcast_object_list(latest, src=0)  # rank 0 decides, so every rank loads the same one
     position = checkpoints.load(latest[0], model, optimizer) if latest[0] else Position()
-    resumed_from = position.step if latest[0] else None
     stream = BatchStream(train_set, batch_size=spec.data.batch_size, rank=d.rank, world_size=d.world_size,
                          seed=cfg.seed, epoch=position.epoch, batches_in_epoch=position.batches_in_epoch)
-    evaluate = Evaluator(eval_set, spec, info, d) if eval_set is not None else None
-
-    # Local rank 0 of each node reports (a gang keeps a series per node); only global rank 0 the summary.
-    reporter = Reporter(reporter_path, enabled=d.local_rank == 0)
-    accum, max_steps = cfg.grad_accum_steps, cfg.max_steps
-    global_batch = spec.data.batch_size * d.world_size * accum
-    peak = peak_flops(torch.cuda.get_device_name(d.device)) if d.device.type == "cuda" else None
-    sample_flops = flops_per_sample(spec.model, n_params, embedding_params)
-    if d.is_main:
-        print(f"[trainjobs] {spec.strategy} on {d.world_size} x {d.device.type}: {spec.model.type} with "
-              f"{n_params:,} parameters, {len(train_set):,} training samples, global batch {global_batch}"
-              f"{f' ({accum} micro-batches)' if accum > 1 else ''}, {max_steps} steps", flush=True)
-        if resumed_from is not None:
-            print(f"[trainjobs] resumed from checkpoint {latest[0].name} at step {resumed_from}", flush=True)
-    if resumed_from is not None:
-        reporter.resumed(resumed_from)  # each node's, for its attempt row
     fault = spec.fault_injection
     attempt = int(os.environ.get(ATTEMPT_ENV, "1"))
-    fault_armed = fault is not None and d.rank == fault.rank and fault.attempt in (None, attempt)
-    grad_clip = spec.optimizer.grad_clip or math.inf
+    return Run(
+        spec=spec, d=d, info=info, model=model, optimizer=optimizer, stream=stream, checkpoints=checkpoints,
+        evaluate=Evaluator(eval_set, spec, info, d) if eval_set is not None else None,
+        # Local rank 0 of each node reports (a gang keeps a series per node); only global rank 0 the summary.
+        reporter=Reporter(reporter_path, enabled=d.local_rank == 0),
+        position=position, resumed_from=latest[0], train_samples=len(train_set), n_params=n_params,
+        sample_flops=flops_per_sample(spec.model, n_params, embedding_params),
+        peak_flops=peak_flops(torch.cuda.get_device_name(d.device)) if d.device.type == "cuda" else None,
+        base_mem_mb=base_mem_mb,
+        fault_armed=fault is not None and d.rank == fault.rank and fault.attempt in (None, attempt),
+    )
 
-    step, loss_value, metrics = position.step, None, {}
-    t_start = t_last = time.perf_counter()
-    last_logged = step
-    while step < max_steps:
-        if fault_armed and step == fault.raise_at_step:
-            raise RuntimeError(fault.message)
-        lr = lr_at(spec.optimizer, step, max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.zeros((), device=d.device)
-        for micro in range(accum):
-            inputs, targets = next(stream)
-            inputs, targets = inputs.to(d.device, non_blocking=True), targets.to(d.device, non_blocking=True)
-            with gradient_sync(model, enabled=micro == accum - 1):
-                loss = loss_fn(info.task, model(inputs), targets) / accum
-                loss.backward()
-            step_loss += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards
-            grad_norm = grad_norm.full_tensor()
-        optimizer.step()
-        step += 1
-        metrics = {}
-        if step % cfg.log_every == 0 or step == max_steps:
-            loss_value = mean_across_ranks(step_loss)  # a collective, so only on log steps
-            now = time.perf_counter()
-            steps = step - last_logged
-            samples_per_s = steps * global_batch / (now - t_last)
-            metrics = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(), "samples_per_s": samples_per_s,
-                       "step_time_s": (now - t_last) / steps, "peak_mem_mb": peak_memory_mb(d.device)}
-            if info.task == "lm":
-                metrics["tokens_per_s"] = samples_per_s * info.tokens_per_sample
-            if peak:
-                metrics["mfu"] = mfu(samples_per_s, sample_flops, peak, d.world_size)
-            if d.is_main:
-                print(f"step {step}/{max_steps} loss {loss_value:.6f} lr {lr:.3g} grad_norm "
-                      f"{metrics['grad_norm']:.4f} samples/s {samples_per_s:.0f}", flush=True)
-            t_last, last_logged = now, step
-        paused = time.perf_counter()  # evaluation and checkpoints do not count against throughput
-        if evaluate and (step % cfg.eval_every == 0 or step == max_steps):
-            metrics["eval_loss"] = evaluate(model)
-            if d.is_main:
-                print(f"step {step}/{max_steps} eval_loss {metrics['eval_loss']:.6f}", flush=True)
-        if metrics:
-            reporter.log(step, metrics)
-        if checkpoints.due(step):
-            checkpoints.save(model, optimizer, Position(step, stream.epoch, stream.batches_in_epoch))
-        t_last += time.perf_counter() - paused
-        if step < max_steps and preemption.due(step):  # every rank agrees on the step
-            hand_back(checkpoints, model, optimizer, Position(step, stream.epoch, stream.batches_in_epoch),
-                      reporter, d, saved=checkpoints.due(step))
-            return
-    preemption.close()
 
-    wall = time.perf_counter() - t_start
+def announce(run: Run) -> None:
+    """One line for the log (global rank 0), and the resumed step for the attempt row (each node's)."""
+    spec, accum = run.spec, run.spec.train.grad_accum_steps
+    if run.d.is_main:
+        print(f"[trainjobs] {spec.strategy} on {run.d.world_size} x {run.d.device.type}: {spec.model.type} with "
+              f"{run.n_params:,} parameters, {run.train_samples:,} training samples, global batch "
+              f"{run.global_batch}{f' ({accum} micro-batches)' if accum > 1 else ''}, {spec.train.max_steps} steps",
+              flush=True)
+        if run.resumed_from is not None:
+            print(f"[trainjobs] resumed from checkpoint {run.resumed_from.name} at step {run.position.step}",
+                  flush=True)
+    if run.resumed_from is not None:
+        run.reporter.resumed(run.position.step)
+
+
+def train_step(run: Run, step: int) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """One optimizer step over grad_accum_steps micro-batches: (lr, the step's loss, the gradient norm)."""
+    spec, d = run.spec, run.d
+    lr = lr_at(spec.optimizer, step, spec.train.max_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.zero_grad(set_to_none=True)
+    accum = spec.train.grad_accum_steps
+    step_loss = torch.zeros((), device=d.device)
+    for micro in range(accum):
+        inputs, targets = next(run.stream)
+        inputs, targets = inputs.to(d.device, non_blocking=True), targets.to(d.device, non_blocking=True)
+        with gradient_sync(run.model, enabled=micro == accum - 1):
+            loss = loss_fn(run.info.task, run.model(inputs), targets) / accum
+            loss.backward()
+        step_loss += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), spec.optimizer.grad_clip or math.inf)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards
+        grad_norm = grad_norm.full_tensor()
+    run.optimizer.step()
+    return lr, step_loss, grad_norm
+
+
+def check_finite(run: Run, loss_value: float, step: int) -> None:
+    """A loss that became NaN or infinite fails the run, naming the step (unless train.stop_on_nan is off).
+
+    The value is a mean across the ranks, the same on every rank: all raise, or none does.
+    """
+    if run.spec.train.stop_on_nan:
+        raise NonFiniteLoss(f"loss is {_named(loss_value)} at step {step}")
+    if run.d.is_main:
+        print(f"[trainjobs] loss is {_named(loss_value)} at step {step}; train.stop_on_nan is false: "
+              "training goes on (non-finite points are not stored)", flush=True)
+
+
+def step_metrics(run: Run, window: "Window", step: int, *, loss: float, lr: float, grad_norm: float) -> dict:
+    """The metrics of a log step, throughput over the steps since the last one; printed by global rank 0."""
+    steps, seconds = window.close(step)
+    samples_per_s = steps * run.global_batch / seconds
+    metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": samples_per_s,
+               "step_time_s": seconds / steps, "peak_mem_mb": peak_memory_mb(run.d.device)}
+    if run.info.task == "lm":
+        metrics["tokens_per_s"] = samples_per_s * run.info.tokens_per_sample
+    if run.peak_flops:
+        metrics["mfu"] = mfu(samples_per_s, run.sample_flops, run.peak_flops, run.d.world_size)
+    if run.d.is_main:
+        print(f"step {step}/{run.spec.train.max_steps} loss {loss:.6f} lr {lr:.3g} grad_norm {grad_norm:.4f} "
+              f"samples/s {samples_per_s:.0f}", flush=True)
+    return metrics
+
+
+def finish(run: Run, *, step: int, wall: float, loss_value: float | None, metrics: dict,
+           diverged_at: int | None) -> None:
+    """Save the final model, write the summary (global rank 0) and close the reporter."""
+    d = run.d
     train_peak_mb = peak_memory_mb(d.device)  # before the gather of the full model for the file
-    model_file = save_model(model, d, env_path(ARTIFACTS_DIR_ENV))
-    done = step - position.step
+    model_file = save_model(run.model, d, env_path(ARTIFACTS_DIR_ENV))
+    samples_per_s = (step - run.position.step) * run.global_batch / wall
     summary = {
-        "final_loss": loss_value, "steps": step, "epochs": stream.epoch, "world_size": d.world_size,
-        "global_batch": global_batch, "wall_time_s": wall, "samples_per_s": done * global_batch / wall,
-        "peak_mem_mb": train_peak_mb, "base_mem_mb": base_mem_mb, "device": d.device.type,
-        "parameters": n_params,
-        "resumed_from_step": resumed_from,
+        "final_loss": loss_value, "steps": step, "epochs": run.stream.epoch, "world_size": d.world_size,
+        "global_batch": run.global_batch, "wall_time_s": wall, "samples_per_s": samples_per_s,
+        "peak_mem_mb": train_peak_mb, "base_mem_mb": run.base_mem_mb, "device": d.device.type,
+        "parameters": run.n_params,
+        "resumed_from_step": run.position.step if run.resumed_from is not None else None,
     }
-    if info.task == "lm":
-        summary["tokens_per_s"] = summary["samples_per_s"] * info.tokens_per_sample
-    if peak:
-        summary["mfu"] = mfu(summary["samples_per_s"], sample_flops, peak, d.world_size)
+    if run.info.task == "lm":
+        summary["tokens_per_s"] = samples_per_s * run.info.tokens_per_sample
+    if run.peak_flops:
+        summary["mfu"] = mfu(samples_per_s, run.sample_flops, run.peak_flops, d.world_size)
     if "eval_loss" in metrics:
         summary["eval_loss"] = metrics["eval_loss"]
+    if diverged_at is not None:  # train.stop_on_nan false: it went on; say where the loss first went non-finite
+        summary["diverged_at_step"] = diverged_at
     if model_file:
         summary["model_file"] = model_file.name
     if d.is_main:
-        reporter.summary(summary)
+        # NOTE: a diverged run's final loss is NaN, which strict JSON (the database, the API) cannot carry.
+        run.reporter.summary({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                              for k, v in summary.items()})
         print(f"[trainjobs] done: {step} steps in {wall:.2f}s, final loss {loss_value}", flush=True)
-    reporter.close()
+    run.reporter.close()
+
+
+class Window:
+    """Wall time between log steps, for throughput; time spent paused() (evaluation, checkpoints) is left out."""
+
+    def __init__(self, step: int):
+        self.start = self.last = time.perf_counter()
+        self.last_step = step
+
+    def close(self, step: int) -> tuple[int, float]:
+        """(steps, seconds) since the last close, and a new window from here."""
+        now = time.perf_counter()
+        steps, seconds = step - self.last_step, now - self.last
+        self.last, self.last_step = now, step
+        return steps, seconds
+
+    @contextlib.contextmanager
+    def paused(self):
+        began = time.perf_counter()
+        yield
+        self.last += time.perf_counter() - began
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.start
 
 
 def hand_back(checkpoints: Checkpointer, model, optimizer, position: Position, reporter: Reporter, d, *,
@@ -167,6 +273,10 @@ def hand_back(checkpoints: Checkpointer, model, optimizer, position: Position, r
         where = "checkpoint saved" if checkpoints.root is not None else "no checkpoint dir: progress lost"
         print(f"[trainjobs] preempted at step {position.step}: {where}", flush=True)
     reporter.close()
+
+
+def _named(value: float) -> str:
+    return "NaN" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
 
 
 def gradient_sync(model: torch.nn.Module, *, enabled: bool):
@@ -207,7 +317,7 @@ class Evaluator:
 def main() -> None:
     run_dir = Path(sys.argv[1])
     spec = JobSpec.model_validate_json((run_dir / SPEC_FILE).read_text())
-    data_dir = Path(os.environ.get("TRAINJOBS_DATA_DIR", "./trainjobs-data"))
+    data_dir = Path(os.environ.get(DATA_DIR_ENV, "./trainjobs-data"))
     train(spec, data_dir, Path(os.environ.get(METRICS_FILE_ENV) or run_dir / METRICS_FILE))
     cleanup_and_exit(0)
 

@@ -1,0 +1,24 @@
+"""Keep a process's secrets from the other processes of its uid, such as the ranks of users' jobs.
+
+Any process can read /proc/<pid>/environ (the initial environment: deleting a variable from os.environ does
+not change it) and /proc/<pid>/mem of a process of its own uid, or ptrace it, unless that process is not
+dumpable (prctl PR_SET_DUMPABLE 0): then only root (CAP_SYS_PTRACE) can. The flag is inherited by a fork (RQ's
+work-horse) and reset by an exec, so torchrun and the ranks are dumpable again (the worker still reads their
+run tags) and hold only the scrubbed environment of worker/launch.py. Files are another matter: a process
+reads every file its uid may read (the README's "What a job can reach").
+"""
+
+import ctypes
+import sys
+
+PR_GET_DUMPABLE = 3
+PR_SET_DUMPABLE = 4
+
+
+def make_undumpable() -> bool:
+    """Make this process (and the children it forks without exec) not dumpable; whether it now is not."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    return libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) == 0
