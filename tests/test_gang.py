@@ -198,7 +198,9 @@ def test_sigterm_to_one_worker_of_a_gang_hands_the_job_back_on_every_node(stack,
     job = api.get(f"/v1/jobs/{job_id}").json()
     assert job["status"] in ("queued", "starting") and job["summary"] is None and job["error"] is None
     statuses = {a["node_rank"]: a["status"] for a in attempts(api, job_id) if a["number"] == 1}
-    assert statuses[1] == "preempted" and statuses[0] in ("preempted", "stopped"), statuses
+    # Whichever node records first hands the job back (preempted) and closes the other (stopped): both orders
+    # happen, since every node's ranks checkpoint and exit at the same step.
+    assert sorted(statuses.values()) in (["preempted", "preempted"], ["preempted", "stopped"]), statuses
     engine = create_engine(postgres_url)
     with engine.connect() as conn:
         kinds = conn.scalars(select(JobEvent.kind).where(JobEvent.job_id == job_id)).all()
