@@ -176,52 +176,48 @@ class Supervisor:
         renew = asked - self._renewed >= self.settings.heartbeat_s
         lease_s = self.settings.lease_s + self._lease_extra_s if renew else None
         try:
-            with self.sessions() as db:
-                held = lifecycle.hold(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
-                                      lease_s=lease_s)
-                if held is None:
-                    db.rollback()
-                    self.lease_lost = True
-                    return
-                self.logs.write(db)
-                self.metrics.write(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
-                if self.metrics.resumed_from_step is not None:
-                    lifecycle.record_resume(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
-                                            step=self.metrics.resumed_from_step)
-                # Every node's local rank 0 reports its own series; node 0's is the job's, and its progress once
-                # it has reported. Another node's moves progress only when it is ahead: a user's script that
-                # reports on global rank 0 alone (RANK == 0) reports from whichever node c10d gave that rank.
-                if (self.gang is None or self.metrics.last_step > held.progress_step
-                        or (self.node_rank == 0 and self.metrics.last_step > 0)):
-                    lifecycle.record_progress(db, job_id=self.job_id, attempt=self.attempt, progress=self._progress())
-                db.commit()
-            self.logs.committed()
-            self.metrics.committed()
-            self._held(held, asked=asked, lease_s=lease_s)
+            if self._hold(asked, lease_s, write=self._write):
+                self.logs.committed()
+                self.metrics.committed()
         except Exception as exc:  # noqa: BLE001 - a database blip must never kill a healthy run
             log.exception("shipping for job %s failed; will retry", self.job_id)
-            if not isinstance(exc, OperationalError):  # unreachable: a lease alone would wait on it as long again
-                self._hold_only(asked, lease_s)
+            if isinstance(exc, OperationalError):  # unreachable: a lease alone would wait on it as long again
+                return
+            try:  # data the database refuses must never cost the job: the lease alone, in a transaction of its own
+                self._hold(asked, lease_s)
+            except Exception:  # noqa: BLE001 - the database is down: the lease runs out (run() stops the ranks then)
+                log.exception("renewing the lease of job %s failed; will retry", self.job_id)
 
-    def _hold_only(self, asked: float, lease_s: float | None) -> None:
-        """Renew the lease in a transaction of its own: data the database refuses must never cost the job."""
-        try:
-            with self.sessions() as db:
-                held = lifecycle.hold(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
-                                      lease_s=lease_s)
-                if held is None:
-                    db.rollback()
-                    self.lease_lost = True
-                    return
-                db.commit()
-            self._held(held, asked=asked, lease_s=lease_s)
-        except Exception:  # noqa: BLE001 - the database is down: the lease runs out (run() stops the ranks then)
-            log.exception("renewing the lease of job %s failed; will retry", self.job_id)
-
-    def _held(self, held: lifecycle.Held, *, asked: float, lease_s: float | None) -> None:
+    def _hold(self, asked: float, lease_s: float | None, write=None) -> bool:
+        """Hold the job (lifecycle.hold), with `write(db, held)` in the same transaction; False once it is lost."""
+        with self.sessions() as db:
+            held = lifecycle.hold(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
+                                  lease_s=lease_s)
+            if held is None:
+                db.rollback()
+                self.lease_lost = True
+                return False
+            if write is not None:
+                write(db, held)
+            db.commit()
         if lease_s is not None:  # counted from before the request: the database's lease ends no earlier
             self._renewed, self._lease_ends = time.monotonic(), asked + lease_s
         self.cancel_requested = held.cancel_requested
+        return True
+
+    def _write(self, db: Session, held: lifecycle.Held) -> None:
+        """This attempt's new output, metric points, resume step and progress."""
+        self.logs.write(db)
+        self.metrics.write(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
+        if self.metrics.resumed_from_step is not None:
+            lifecycle.record_resume(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
+                                    step=self.metrics.resumed_from_step)
+        # Every node's local rank 0 reports its own series; node 0's is the job's, and its progress once it has
+        # reported. Another node's moves progress only when it is ahead: a user's script that reports on global
+        # rank 0 alone (RANK == 0) reports from whichever node c10d gave that rank.
+        if (self.gang is None or self.metrics.last_step > held.progress_step
+                or (self.node_rank == 0 and self.metrics.last_step > 0)):
+            lifecycle.record_progress(db, job_id=self.job_id, attempt=self.attempt, progress=self._progress())
 
     def _progress(self) -> dict:
         # An entrypoint's total is what its script reported (report(total_steps=...)), if anything.
