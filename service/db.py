@@ -3,8 +3,14 @@
 from datetime import UTC, datetime
 
 from sqlalchemy import DateTime, Engine, create_engine, event
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
+
+# What a database that is down, restarting or out of reach raises (psycopg: refused, "terminating connection",
+# "the database system is starting up"; a pooled connection closed under us). Not a bug: wait and try again.
+UNREACHABLE = (OperationalError, InterfaceError)
+CONNECT_TIMEOUT_S = 5
 
 
 def utcnow() -> datetime:
@@ -47,7 +53,10 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # NOTE: a bounded connect: a host out of reach (not refusing) would otherwise hold a supervisor for the TCP
+    # timeout, minutes, past its lease.
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20,
+                         connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 from redis import Redis
 from redis.exceptions import RedisError
-from sqlalchemy.exc import OperationalError
 
-from service.db import make_engine, make_sessionmaker
+from service.db import UNREACHABLE, make_engine, make_sessionmaker
 from service.jobs import lifecycle, queue
 from service.settings import Settings, get_settings
 from service.workers import service as workers
@@ -118,11 +117,11 @@ def run_attempt(sessions, *, settings: Settings, job_id: str, attempt: int, spec
         if launch_gang is not None and outcome.status == JobStatus.FAILED and is_peer_error(outcome.error):
             time.sleep(PEER_GRACE_S)  # the node with the root cause settles the job first: its error is the job's
         with_retries(lambda: record(sessions, job_id=job_id, attempt=attempt, outcome=outcome, node_rank=node_rank),
-                     what="record")
+                     what="record", tries=None)
         return {**result, "status": outcome.status.value}
     finally:
         _supervisor = None
-        with_retries(lambda: free_worker(sessions, job_id=job_id), what="free the worker")
+        with_retries(lambda: free_worker(sessions, job_id=job_id), what="free the worker", tries=None)
 
 
 def free_worker(sessions, *, job_id: str) -> None:
@@ -147,16 +146,25 @@ def prepare_run_dir(settings: Settings, *, job_id: str, attempt: int, spec: JobS
     return run_dir
 
 
-def with_retries(fn, *, what: str, tries: int = 7, first_s: float = 0.5):
-    """A database blip must not turn a finished run into a lost one: retry with backoff (0.5 s … 16 s)."""
-    for i in range(tries):
+def with_retries(fn, *, what: str, tries: int | None = 7, first_s: float = 0.5, max_s: float = 5.0):
+    """Retry `fn` while the database is out of reach, backing off from first_s to max_s.
+
+    tries=None: until it answers, however long the outage. That is what an attempt's outcome gets: a finished
+    run recorded late is still finished (the sweeper gives a worker one lease after an outage to renew, see
+    service/api/sweeper.py), while giving up would leave the job to be retrained.
+    """
+    i = 0
+    while True:
         try:
             return fn()
-        except OperationalError:
-            if i == tries - 1:
+        except UNREACHABLE:
+            i += 1
+            if tries is not None and i >= tries:
                 raise
-            log.warning("%s failed on a database error; retrying in %.1fs", what, first_s * 2**i, exc_info=True)
-            time.sleep(first_s * 2**i)
+            wait = min(max_s, first_s * 2 ** (i - 1))
+            log.warning("%s failed: the database is out of reach (try %d); retrying in %.1fs", what, i, wait,
+                        exc_info=i == 1)
+            time.sleep(wait)
 
 
 def record(sessions, *, job_id: str, attempt: int, outcome: Outcome, node_rank: int = 0) -> None:

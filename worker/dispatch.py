@@ -17,6 +17,7 @@ from rq import Queue
 from rq.exceptions import DequeueTimeout, NoSuchJobError
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.db import UNREACHABLE
 from service.jobs import service as jobs
 from service.jobs.queue import GANG, parse_node_task_id
 from service.workers import fit
@@ -93,8 +94,12 @@ class FittingQueue(Queue):
         ids = [i.decode() if isinstance(i, bytes) else i for i in connection.lrange(queue.key, 0, SCAN - 1)]
         if not ids:
             return None
-        with cls.chooser.sessions() as db:
-            wanted = cls.chooser.takes(db, ids, gang=queue.name.endswith(f"-{GANG}"))
+        try:
+            with cls.chooser.sessions() as db:
+                wanted = cls.chooser.takes(db, ids, gang=queue.name.endswith(f"-{GANG}"))
+        except UNREACHABLE:  # take nothing while the database is out: a claim could not be made anyway
+            log.warning("the database is out of reach; taking no job until it is back")
+            return None
         for entry in wanted:
             if connection.lrem(queue.key, 1, entry) != 1:
                 continue  # another worker took it first

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.db import UNREACHABLE
 from service.jobs import lifecycle
 from service.settings import Settings
 from service.workers import fit
@@ -44,15 +45,19 @@ def wait_formed(sessions: sessionmaker[Session], *, settings: Settings, job_id: 
     """Wait for the whole gang: (endpoint, "formed"), else (None, why): lost | cancelled | timeout | yielded |
     preempted (this worker is shutting down: the gang lets go and goes back to the queue)."""
     while True:
-        with sessions() as db:
-            endpoint, why = lifecycle.check_gang(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
-                                                 lease_s=settings.lease_s, gang_timeout_s=settings.gang_timeout_s,
-                                                 offer=offer, address=address)
-            if why == "waiting" and stopping():
-                lifecycle.release_gang(db, job_id=job_id, attempt=attempt,
-                                       why=f"node {node_rank}'s worker is shutting down")
-                endpoint, why = None, "preempted"
-            db.commit()
+        try:
+            with sessions() as db:
+                endpoint, why = lifecycle.check_gang(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
+                                                     lease_s=settings.lease_s, gang_timeout_s=settings.gang_timeout_s,
+                                                     offer=offer, address=address)
+                if why == "waiting" and stopping():
+                    lifecycle.release_gang(db, job_id=job_id, attempt=attempt,
+                                           why=f"node {node_rank}'s worker is shutting down")
+                    endpoint, why = None, "preempted"
+                db.commit()
+        except UNREACHABLE:  # keep waiting: the gang's lease (and its timeout) decide, once the database is back
+            log.warning("job %s node %s: the database is out of reach while the gang forms", job_id, node_rank)
+            endpoint, why = None, "waiting"
         if why != "waiting":
             return endpoint, why
         time.sleep(settings.poll_s)

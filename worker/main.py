@@ -6,10 +6,14 @@ import logging
 import os
 import signal
 import socket
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from redis import Redis
+from redis.exceptions import RedisError
 from rq import Worker
+from rq.exceptions import StopRequested
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
@@ -22,6 +26,9 @@ from trainjobs.runenv import PREEMPT_SIGNAL
 from worker.agent import request_preemption
 from worker.dispatch import Chooser, FittingQueue
 from worker.inventory import probe, start_heartbeat
+
+log = logging.getLogger(__name__)
+RESTART_MAX_S = 5.0  # the longest wait between two starts of the worker loop after an outage
 
 
 class PreemptingWorker(Worker):
@@ -56,6 +63,14 @@ class PreemptingWorker(Worker):
             self._tell_horse()
             return
         super().request_force_stop(signum, frame)
+
+    def maintain_heartbeats(self, job, execution) -> None:
+        # NOTE: RQ's monitor of a running horse gives up on the first Redis error, and its worker quits with the
+        # job still running in the horse. The job's truth is the database (its lease): RQ's bookkeeping waits.
+        try:
+            super().maintain_heartbeats(job, execution)
+        except RedisError as exc:
+            self.log.warning("Worker %s: Redis is out of reach (%s); the running job goes on", self.name, exc)
 
     def _tell_horse(self) -> None:
         if self.horse_pid:
@@ -92,15 +107,62 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     FittingQueue.chooser = Chooser(sessions, offer, lost_after_s=settings.lease_s)
     redis = Redis.from_url(settings.redis_url)
     queues = [FittingQueue(n, connection=redis, serializer=JSONSerializer) for n in queue_names(settings.queue_prefix)]
-    rq_worker = PreemptingWorker(queues, connection=redis, serializer=JSONSerializer, name=name,
-                                 queue_class=FittingQueue)
+    current: list[PreemptingWorker] = []
+
+    def make_worker() -> PreemptingWorker:
+        current[:] = [PreemptingWorker(queues, connection=redis, serializer=JSONSerializer, name=name,
+                                       queue_class=FittingQueue)]
+        return current[0]
+
     stop_heartbeat = start_heartbeat(sessions, offer=offer, every_s=settings.heartbeat_s,
-                                     draining=lambda: rq_worker.draining)
+                                     draining=lambda: bool(current) and current[0].draining)
     try:
-        rq_worker.work(burst=burst, with_scheduler=False)
+        serve(make_worker, burst=burst)
     finally:
         stop_heartbeat()
         engine.dispose()
+
+
+def serve(make_worker: Callable[[], PreemptingWorker], *, burst: bool) -> None:
+    """Run RQ's worker loop until a shutdown (or, with burst, empty queues).
+
+    RQ quits its loop on any error outside its dequeue (Redis gone between two calls, restarted empty):
+    then the loop starts again, once Redis answers and any job still running in a work-horse has ended.
+    A pool must not shrink by one worker per Redis outage.
+    """
+    wait = 1.0
+    while True:
+        rq_worker = make_worker()
+        try:
+            rq_worker.work(burst=burst, with_scheduler=False)
+        except RedisError as exc:  # its teardown (deregistering in Redis) failed too
+            log.warning("worker loop: Redis is out of reach (%s)", exc)
+        except StopRequested:
+            return
+        if burst or rq_worker.draining:
+            return
+        _wait_for_horse(rq_worker.horse_pid)
+        log.warning("the worker loop ended on an outage; starting it again in %.0fs", wait)
+        try:
+            time.sleep(wait)
+            rq_worker.connection.delete(rq_worker.key)  # its stale registration (RQ refuses a live name twice)
+        except RedisError:
+            pass
+        except StopRequested:  # a shutdown signal while it waited (RQ's handler of the loop that ended)
+            return
+        if rq_worker.draining:
+            return
+        wait = min(RESTART_MAX_S, wait * 2)
+
+
+def _wait_for_horse(pid: int) -> None:
+    while pid:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(1.0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

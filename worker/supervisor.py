@@ -1,5 +1,6 @@
 """Launch torchrun for one attempt and watch it: ship output and metrics, honour cancel and timeout."""
 
+import enum
 import logging
 import math
 import os
@@ -10,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.db import UNREACHABLE
 from service.jobs import lifecycle
 from service.settings import Settings
 from trainjobs import paths, runenv
@@ -24,6 +25,14 @@ from worker.shipping import LogShipper, MetricTail, OutputPump, sanitized_note
 
 log = logging.getLogger(__name__)
 PREEMPT_RESEND_S = 1.0  # how often a preemption request is repeated to the ranks until they act on it
+DRAIN_FIRST_S, DRAIN_MAX_S = 0.2, 3.0  # after the ranks end, retry shipping from every 0.2 s up to every 3 s
+DRAIN_REFUSALS = 3  # a commit refused (not an outage) this many times is not retried again
+
+
+class Shipped(enum.Enum):
+    STORED = "stored"  # or the attempt is no longer ours: nothing more to store
+    UNREACHABLE = "unreachable"  # the database is down or out of reach: try again, nothing is lost
+    REFUSED = "refused"  # the database answered with an error (a bug, or data it will not take)
 
 
 @dataclass
@@ -128,10 +137,10 @@ class Supervisor:
                 killed += processes.stop_all(proc, self.tag, min(1.0, self.settings.cancel_grace_s))
             pump.join()
             self.logs.stage(pump.take(), final=True)
-            self._ship(pump)
+            self._drain(pump)
             if note := sanitized_note(self.logs, self.metrics):  # once, after the last metric line was read
                 self.logs.stage(note.encode())
-                self._ship(pump)
+                self._drain(pump)
         finally:
             # Whatever happened above, no process of this attempt outlives the supervisor.
             if left := processes.find_processes(proc.pid, self.tag):
@@ -165,11 +174,12 @@ class Supervisor:
             self._preempt_sent = now
         return False
 
-    def _ship(self, pump: OutputPump) -> None:
+    def _ship(self, pump: OutputPump) -> Shipped:
         """Move new output and metrics to the database, renew the lease, read the cancel flag.
 
         Fenced (lifecycle.hold): once the sweeper has given the job to a new attempt (this worker was paused or
-        cut off past its lease) nothing more is written for this one.
+        cut off past its lease) nothing more is written for this one. What fails to commit is sent again by the
+        next call: nothing is dropped.
         """
         self.logs.stage(pump.take())
         asked = time.monotonic()
@@ -179,14 +189,36 @@ class Supervisor:
             if self._hold(asked, lease_s, write=self._write):
                 self.logs.committed()
                 self.metrics.committed()
-        except Exception as exc:  # noqa: BLE001 - a database blip must never kill a healthy run
+            return Shipped.STORED
+        except UNREACHABLE as exc:  # no lease alone either: it would wait as long again (run() stops the ranks
+            # once the lease runs out unrenewed)
+            log.warning("job %s: the database is out of reach (%s); shipping will retry", self.job_id,
+                        type(exc).__name__)
+            return Shipped.UNREACHABLE
+        except Exception:  # noqa: BLE001 - a database blip must never kill a healthy run
             log.exception("shipping for job %s failed; will retry", self.job_id)
-            if isinstance(exc, OperationalError):  # unreachable: a lease alone would wait on it as long again
+        try:  # data the database refuses must never cost the job: the lease alone, in a transaction of its own
+            self._hold(asked, lease_s)
+        except Exception:  # noqa: BLE001 - the database is down: the lease runs out (run() stops the ranks then)
+            log.exception("renewing the lease of job %s failed; will retry", self.job_id)
+        return Shipped.REFUSED
+
+    def _drain(self, pump: OutputPump) -> None:
+        """The ranks are gone: ship until all they wrote is stored, however long the database is out of reach.
+
+        The outcome is recorded after this, as late as it must be (agent.with_retries): a run that finished
+        during an outage is finished, with all its output, metrics and summary, once the database is back.
+        Data the database keeps refusing (not an outage: it would be refused forever) is given up, and logged.
+        """
+        wait, refused = DRAIN_FIRST_S, 0
+        while (shipped := self._ship(pump)) is not Shipped.STORED:
+            refused += shipped is Shipped.REFUSED
+            if refused >= DRAIN_REFUSALS:
+                log.error("job %s: the database refused the attempt's last output %d times; giving it up",
+                          self.job_id, refused)
                 return
-            try:  # data the database refuses must never cost the job: the lease alone, in a transaction of its own
-                self._hold(asked, lease_s)
-            except Exception:  # noqa: BLE001 - the database is down: the lease runs out (run() stops the ranks then)
-                log.exception("renewing the lease of job %s failed; will retry", self.job_id)
+            time.sleep(wait)
+            wait = min(DRAIN_MAX_S, wait * 2)
 
     def _hold(self, asked: float, lease_s: float | None, write=None) -> bool:
         """Hold the job (lifecycle.hold), with `write(db, held)` in the same transaction; False once it is lost."""

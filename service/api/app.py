@@ -22,7 +22,7 @@ from service.auth import tokens
 from service.auth.deps import current_principal
 from service.auth.router import router as auth_router
 from service.dashboard.router import router as dashboard_router
-from service.db import make_engine, make_sessionmaker
+from service.db import UNREACHABLE, make_engine, make_sessionmaker
 from service.errors import TrainjobsError, responses
 from service.jobs.router import router as jobs_router
 from service.logs.router import router as logs_router
@@ -79,6 +79,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if exc.status_code == 405:  # Starlette names only the first matching route's methods
             headers["Allow"] = allowed_methods(app, request.url.path) or headers.get("Allow", "")
         return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail}, headers=headers)
+
+    async def _database_unreachable(_request: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unreachable: %s", exc.__class__.__name__)
+        return JSONResponse(status_code=503, headers={"Retry-After": "2"},
+                            content={"detail": "the database is unreachable; try again shortly"})
+
+    for unreachable in UNREACHABLE:  # an outage is the service's, not a bug: a 503 a client retries
+        app.add_exception_handler(unreachable, _database_unreachable)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
