@@ -247,7 +247,8 @@ def test_a_final_error_fails_the_job_at_once_with_retries_left(sessions):
 def test_a_lost_worker_is_retried_without_waiting_and_only_once_its_lease_expired(sessions):
     job_id = new_job(sessions, running=True, max_retries=1)
     lost = {"type": ErrorType.WORKER_LOST, "message": "worker w0 stopped renewing its lease"}
-    settle = {"job_id": job_id, "attempt": 1, "error": lost, "attempt_status": AttemptStatus.LOST}
+    settle = {"job_id": job_id, "attempt": 1, "error": lost, "attempt_status": AttemptStatus.LOST,
+              "only_if_expired": True}  # the sweeper's
     assert call(sessions, lifecycle.settle_failure, **settle) is None  # its lease is still good
     assert state(sessions, job_id)[0].status == JobStatus.RUNNING
     expire(sessions, job_id)
@@ -255,6 +256,17 @@ def test_a_lost_worker_is_retried_without_waiting_and_only_once_its_lease_expire
     job, attempts = state(sessions, job_id)
     assert job.status == JobStatus.QUEUED and job.not_before <= utcnow()
     assert [a.status for a in attempts] == [AttemptStatus.LOST]
+
+
+def test_a_worker_that_stopped_its_own_ranks_past_its_lease_closes_the_attempt_lost_at_once(sessions):
+    """Cut off from the database past its lease, a supervisor stops its ranks; its drain then renews the lease
+    (to store what they wrote), so its own `lost` needs no expired lease: the retry does not wait a lease."""
+    job_id = new_job(sessions, running=True, max_retries=1)
+    lost = {"type": ErrorType.WORKER_LOST, "message": "the worker could not renew its lease"}
+    assert call(sessions, lifecycle.settle_failure, job_id=job_id, attempt=1, error=lost,
+                attempt_status=AttemptStatus.LOST) == JobStatus.QUEUED
+    job, attempts = state(sessions, job_id)
+    assert job.status == JobStatus.QUEUED and [a.status for a in attempts] == [AttemptStatus.LOST]
 
 
 def test_a_worker_whose_clock_is_8s_behind_keeps_its_attempt(sessions, monkeypatch):

@@ -14,15 +14,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from redis import Redis
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, select
 
 from service.cli.stack import Stack, redis_reachable, redis_server_binary
 from service.jobs.models import Attempt
@@ -254,7 +252,8 @@ def test_a_database_outage_mid_run_keeps_every_point_the_run_wrote(services, out
             assert job["attempt"] == 1 and attempts(pg, job_id) == [(1, "succeeded")]
             assert_all_steps(steps, {1: list(range(1, LONG_STEPS + 1))})
         else:
-            assert job["attempt"] == 2 and [a[1] for a in attempts(pg, job_id)] == ["lost", "succeeded"]
+            assert job["attempt"] == 2 and attempts(pg, job_id) == [(1, "lost"), (2, "succeeded")]
+            assert job["error"]["type"] == "worker_lost"  # the cause of the retry, kept beside the success
             first = written(stack, job_id, 1)
             assert len(first) >= 40 and first[-1] < LONG_STEPS  # the ranks were stopped mid-run
             assert_all_steps(steps, {1: first, 2: list(range(1, LONG_STEPS + 1))})  # what each wrote, all of it
@@ -274,8 +273,7 @@ def test_redis_restarted_empty_with_one_job_running_and_one_queued_runs_each_onc
         second = submit(api)  # the worker's two slots are taken: it waits on the queue
         redis.stop()
         time.sleep(15)
-        redis.start()
-        assert Redis.from_url(redis.url).dbsize() == 0
+        redis.start()  # empty: it keeps nothing on disk
         jobs = {}
         for job_id in (first, second):
             jobs[job_id], settled_s = settle(api, job_id, timeout=240)

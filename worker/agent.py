@@ -16,7 +16,7 @@ from service.settings import Settings, get_settings
 from service.workers import service as workers
 from trainjobs.runenv import SPEC_FILE
 from trainjobs.spec import JobSpec
-from trainjobs.states import JobStatus
+from trainjobs.states import AttemptStatus, ErrorType, JobStatus
 from worker import gang
 from worker.inventory import Offer, probe
 from worker.launch import Gang
@@ -180,7 +180,11 @@ def record(sessions, *, job_id: str, attempt: int, outcome: Outcome, node_rank: 
             moved = lifecycle.hand_back(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
                                         detail=outcome.detail or "handed back by its worker")
         elif outcome.status == JobStatus.FAILED:
+            # Cut off past its lease, the supervisor stopped its ranks itself: the attempt is lost, as the
+            # sweeper would have said (and if its lease somehow still holds, the sweeper says it later).
+            lost = (outcome.error or {}).get("type") == ErrorType.WORKER_LOST
             moved = lifecycle.settle_failure(db, job_id=job_id, attempt=attempt, error=outcome.error or {},
+                                             attempt_status=AttemptStatus.LOST if lost else AttemptStatus.FAILED,
                                              exit_code=outcome.exit_code, node_rank=node_rank) is not None
         else:
             # A success after retries keeps the earlier attempts' causes in `error`.

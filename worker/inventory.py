@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 import psutil
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.db import UNREACHABLE
 from service.settings import Settings
 from service.workers import service as workers
 
@@ -109,8 +110,10 @@ def start_heartbeat(sessions: sessionmaker[Session], *, offer: Offer, every_s: f
                     db.commit()
                 if not found:  # pruned while we were cut off: come back
                     register(sessions, offer=offer)
-            except Exception:  # noqa: BLE001 - a database blip: the next beat tries again
-                log.warning("worker heartbeat failed; retrying in %.1fs", every_s, exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - a database blip: the next beat tries again
+                outage = isinstance(exc, UNREACHABLE)  # the cause is known: no traceback every beat
+                log.warning("worker heartbeat failed (%s); retrying in %.1fs", type(exc).__name__, every_s,
+                            exc_info=not outage)
 
     def stop() -> None:
         stopped.set()

@@ -130,15 +130,19 @@ def serve(make_worker: Callable[[], PreemptingWorker], *, burst: bool) -> None:
     then the loop starts again, once Redis answers and any job still running in a work-horse has ended.
     A pool must not shrink by one worker per Redis outage.
     """
-    wait = 1.0
+    wait, rq_worker = 1.0, None
     while True:
-        rq_worker = make_worker()
         try:
+            rq_worker = make_worker()  # RQ names its connection in Redis here: an outage may still be on
             rq_worker.work(burst=burst, with_scheduler=False)
-        except RedisError as exc:  # its teardown (deregistering in Redis) failed too
+        except RedisError as exc:  # its start, or its teardown (deregistering in Redis), failed too
             log.warning("worker loop: Redis is out of reach (%s)", exc)
         except StopRequested:
             return
+        if rq_worker is None:  # never started: Redis was out of reach from the first
+            time.sleep(wait)
+            wait = min(RESTART_MAX_S, wait * 2)
+            continue
         if burst or rq_worker.draining:
             return
         _wait_for_horse(rq_worker.horse_pid)

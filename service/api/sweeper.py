@@ -11,6 +11,7 @@ import time
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.db import UNREACHABLE
 from service.jobs import lifecycle, queue
 from service.settings import Settings
 from service.workers import pending
@@ -58,6 +59,9 @@ class Sweeper:
                     workers.prune(db)
                     self.last_reconcile = now
                 db.commit()
+        except UNREACHABLE as exc:  # an outage: one line per pass, not a traceback
+            self.healthy_since = None
+            log.warning("sweeper cannot reach the database (%s); will retry", type(exc).__name__)
         except Exception:  # noqa: BLE001 - a failed pass must not stop the loop
             self.healthy_since = None
             log.exception("sweeper pass failed")

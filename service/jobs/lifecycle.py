@@ -292,12 +292,13 @@ def record_resume(db: Session, *, job_id: str, attempt: int, node_rank: int, ste
 # --- an attempt ends -----------------------------------------------------------------------------------------
 
 def close_attempt(db: Session, *, job_id: str, attempt: int, status: AttemptStatus, error: dict | None = None,
-                  exit_code: int | None = None, node_rank: int = 0) -> bool:
+                  exit_code: int | None = None, node_rank: int = 0, only_if_expired: bool = False) -> bool:
     """Close the attempt (on one node) if it is still active; False if someone else closed it first.
 
-    Closing it as lost also needs its lease still expired: a renewal that raced the sweeper's read wins.
+    only_if_expired (the sweeper's): its lease must still be expired, so a renewal that raced the sweeper's read
+    wins. A worker that stopped its own ranks past its lease closes it as lost without it (its drain renewed it).
     """
-    expired = [Attempt.lease_expires_at < db_now(db)] if status == AttemptStatus.LOST else []
+    expired = [Attempt.lease_expires_at < db_now(db)] if only_if_expired else []
     return db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt,
                                             Attempt.node_rank == node_rank, Attempt.status == AttemptStatus.ACTIVE,
                                             *expired)
@@ -339,7 +340,7 @@ def finish_node(db: Session, *, job_id: str, attempt: int, node_rank: int, statu
 
 def settle_failure(db: Session, *, job_id: str, attempt: int, error: dict,
                    attempt_status: AttemptStatus = AttemptStatus.FAILED, exit_code: int | None = None,
-                   node_rank: int = 0) -> JobStatus | None:
+                   node_rank: int = 0, only_if_expired: bool = False) -> JobStatus | None:
     """Close the attempt (this node of it) as failed or lost, then requeue the job or fail it (the retry rule,
     service/jobs/retries.py); None if the job moved on. The other nodes of a gang are closed as stopped: their
     supervisors see it and stop their ranks.
@@ -354,7 +355,7 @@ def settle_failure(db: Session, *, job_id: str, attempt: int, error: dict,
     if cancelled and attempt_status == AttemptStatus.FAILED:
         attempt_status = AttemptStatus.CANCELLED
     if not close_attempt(db, job_id=job_id, attempt=attempt, status=attempt_status, error=error,
-                         exit_code=exit_code, node_rank=node_rank):
+                         exit_code=exit_code, node_rank=node_rank, only_if_expired=only_if_expired):
         return None  # already settled (the sweeper found it lost, or the worker recorded it): never twice
     close_gang(db, job_id=job_id, attempt=attempt, why=f"node {node_rank}: {error.get('message')}",
                status=AttemptStatus.CANCELLED if cancelled else AttemptStatus.STOPPED)
@@ -428,7 +429,7 @@ def expire_leases(db: Session) -> list[str]:
         error = {"type": ErrorType.WORKER_LOST, "rank": None, "worker": worker, "node_rank": node_rank,
                  "message": message}
         status = settle_failure(db, job_id=job_id, attempt=number, error=error, attempt_status=AttemptStatus.LOST,
-                                node_rank=node_rank)
+                                node_rank=node_rank, only_if_expired=True)
         if status is not None:
             settled.append(job_id)
             log.warning("job %s attempt %s: worker %s lost; job %s", job_id, number, worker, status)
