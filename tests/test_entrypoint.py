@@ -169,7 +169,8 @@ def entry_stack(postgres_url, tmp_path_factory):
     (scripts / "print_env.py").write_text(
         "import os\n"
         "print('token', os.environ.get('TRAINJOBS_TEST_API_TOKEN'))\n"
-        "print('db', os.environ.get('TRAINJOBS_DATABASE_URL'), 'redis', os.environ.get('TRAINJOBS_REDIS_URL'))\n")
+        "print('db', os.environ.get('TRAINJOBS_DATABASE_URL'), 'redis', os.environ.get('TRAINJOBS_REDIS_URL'))\n"
+        "print('mine', os.environ.get('MY_SETTING'))\n")
     (scripts / "grab_admin.py").write_text(GRAB_ADMIN)
     os.environ["TRAINJOBS_TEST_API_TOKEN"] = LEAKY  # in the workers' environment, as a cloud key would be
     try:
@@ -200,11 +201,12 @@ print("linked", artifacts.is_symlink())
 
 def test_a_script_that_prints_the_workers_secrets_leaks_none_into_the_logs(entry_stack):
     with entry_stack.client(timeout=10) as api:
-        spec = entry_spec(script="print_env.py")
+        spec = entry_spec(script="print_env.py") | {"env": {"MY_SETTING": "from the spec"}}
         spec["resources"]["nproc_per_node"] = 1
         job = wait_terminal(api, api.post("/v1/jobs", json=spec).json()["id"])
         logs = api.get(f"/v1/jobs/{job['id']}/logs").text
     assert job["status"] == "succeeded", job["error"]
+    assert "mine from the spec" in logs  # the job's own env (JobSpec.env)
     assert "token [redacted]" in logs and LEAKY not in logs
     assert "db None redis None" in logs  # ranks never get the service's connection strings
 

@@ -22,6 +22,24 @@ ARTIFACTS_DIR_ENV = "TRAINJOBS_ARTIFACTS_DIR"  # the job's output, served by GET
 METRICS_FILE_ENV = "TRAINJOBS_METRICS_FILE"  # where local rank 0 of each node appends its records
 RUN_TAG_ENV = "TRAINJOBS_RUN_TAG"  # every process of an attempt carries it: how cancel finds them all
 
+# A job's own `env` (JobSpec.env) may set any variable but these: the service's names, and those that change how
+# the worker's processes start, load code or find devices (the run's environment is the service's to set).
+RESERVED_ENV_PREFIXES = ("TRAINJOBS_", "TORCHELASTIC_", "TORCH_ELASTIC_", "LD_", "DYLD_")
+RESERVED_ENV = frozenset({
+    "PATH", "HOME", "TMPDIR", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONEXECUTABLE", "PYTHONSAFEPATH",
+    "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONINSPECT", "PYTHONUNBUFFERED", "VIRTUAL_ENV",
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+})
+
+
+def reserved_env(name: str) -> bool:
+    """A variable a job's `env` may not set."""
+    upper = name.upper()
+    return upper in RESERVED_ENV or upper.startswith(RESERVED_ENV_PREFIXES)
+
+
 SPEC_FILE = "spec.json"  # in the run dir: the resolved spec the built-in runtime reads
 METRICS_FILE = "metrics.jsonl"  # in the run dir
 # The supervisor's "checkpoint and exit" to the ranks (SIGTERM stays the cancel path); also worker → work-horse.

@@ -2,7 +2,9 @@
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainjobs import runenv
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\- ]*$")]
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:=/\-]*$")]
@@ -158,6 +160,11 @@ class Entrypoint(_Strict):
         return self
 
 
+EnvName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+EnvValue = Annotated[str, Field(max_length=4096)]
+ENV_MAX_VARS, ENV_MAX_BYTES = 64, 32 * 1024
+
+
 class JobSpec(_Strict):
     """A training job as the user submits it."""
 
@@ -176,6 +183,22 @@ class JobSpec(_Strict):
     timeout_s: float = Field(3600, gt=0, le=7 * 24 * 3600)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     fault_injection: FaultInjection | None = None
+    env: dict[EnvName, EnvValue] = Field(
+        default_factory=dict, max_length=ENV_MAX_VARS,
+        description="environment variables for every rank (not secrets: anyone who can read the job sees them)")
+
+    @field_validator("env")
+    @classmethod
+    def _env_is_the_users(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if runenv.reserved_env(name):
+                raise ValueError(f"env variable {name!r} is reserved: the worker sets it, or it changes how the "
+                                 "worker starts its processes")
+            if "\0" in env[name]:
+                raise ValueError(f"env variable {name!r} holds a NUL byte")
+        if (size := sum(len(k) + len(v.encode()) for k, v in env.items())) > ENV_MAX_BYTES:
+            raise ValueError(f"env holds {size} bytes; at most {ENV_MAX_BYTES}")
+        return env
 
     @model_validator(mode="after")
     def _model_fits_data(self):

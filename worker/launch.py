@@ -77,6 +77,7 @@ def render(
         *target_argv(spec, run_dir=run_dir, entry_script=entry_script),
     ]
     env = dict(base_env)
+    env.update(spec.env)  # the job's own (JobSpec refuses the names below and those that change how we run)
     env.update({
         runenv.RUN_TAG_ENV: run_tag(job_id, attempt, gang.node_rank if gang else 0),
         runenv.JOB_ID_ENV: job_id,
