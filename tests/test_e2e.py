@@ -125,3 +125,38 @@ def test_fsdp_gpt_job_checkpoints_evaluates_and_leaves_its_model_as_an_artifact(
     assert [f["name"] for f in listed] == ["model.pt"]
     weights = api.get(f"/v1/jobs/{job['id']}/artifacts/model.pt")
     assert weights.status_code == 200 and len(weights.content) == listed[0]["size"]
+
+
+def test_the_sdk_submits_waits_and_reads_logs_metrics_and_artifacts(stack, tmp_path, monkeypatch):
+    """trainjobs.Client from a user's Python: configured by the environment, like the CLI."""
+    from trainjobs import APIError, Client
+
+    monkeypatch.setenv("TRAINJOBS_API_URL", stack.api_url)
+    monkeypatch.setenv("TRAINJOBS_TOKEN", stack.token)
+    with Client() as c:
+        job = c.submit(mlp_spec(name="sdk", train={"max_steps": 20, "log_every": 5}))
+        with pytest.raises(TimeoutError, match=job["id"]):
+            c.wait(job["id"], timeout=0.1)  # not yet: it has to start torch
+        job = c.wait(job["id"], timeout=180)
+        assert job["status"] == "succeeded" and job["summary"]["steps"] == 20
+        assert c.get(job["id"])["id"] == job["id"] and job["id"] in [j["id"] for j in c.list()["items"]]
+
+        assert "final loss" in c.logs(job["id"])
+        assert "final loss" in "".join(c.logs(job["id"], follow=True))  # an ended job: its whole log, then stop
+        [loss] = c.metrics(job["id"], name="loss")["series"]
+        assert loss["steps"] == [5, 10, 15, 20]
+
+        [model] = c.artifacts(job["id"])
+        saved = c.download(job["id"], "model.pt", tmp_path)
+        assert saved == tmp_path / "model.pt" and saved.stat().st_size == model["size"]
+        assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no partial file left beside it
+
+        with pytest.raises(APIError) as missing:
+            c.get("0" * 20)
+        assert missing.value.status == 404 and "not found" in str(missing.value.detail)
+        with pytest.raises(APIError) as refused:
+            c.submit(mlp_spec(env={"LD_PRELOAD": "x"}))
+        assert refused.value.status == 422 and "LD_PRELOAD" in str(refused.value)
+        with pytest.raises(APIError) as done:
+            c.cancel(job["id"])
+        assert done.value.status == 409

@@ -1,11 +1,23 @@
-"""A small HTTP client for the CLI: every command talks to the API, never to the database."""
+"""The SDK (`trainjobs.Client`), which the CLI uses too: every call talks to the API, never to the database.
+
+    from trainjobs import Client, APIError
+    c = Client()                                   # TRAINJOBS_API_URL and TRAINJOBS_TOKEN, like the CLI
+    job = c.submit(spec)                           # the job as the API returns it (a dict)
+    job = c.wait(job["id"], timeout=600)           # the finished job
+    print(c.logs(job["id"]), c.metrics(job["id"], name="loss"))
+
+Return values are the API's JSON as plain dicts (their fields: the README's API table and /docs); every
+error the API answers is an APIError carrying `status` and the API's `detail`.
+"""
 
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,6 +41,8 @@ def retry_reason(exc: Exception) -> str:
 
 
 class APIError(Exception):
+    """What the API answered with a 4xx or 5xx: `status` and its `detail` (a message, or pydantic's field errors)."""
+
     def __init__(self, status: int, detail):
         super().__init__(f"HTTP {status}: {format_detail(detail)}")
         self.status, self.detail = status, detail
@@ -94,10 +108,27 @@ def find_token(settings) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
+DEFAULT_API_URL = "http://127.0.0.1:8000"
+WAIT_POLL_S = (0.2, 2.0)  # wait() polls from every 0.2 s up to every 2 s (the API's ETag makes a poll cheap)
+
+
 class Client:
-    def __init__(self, base_url: str, timeout: float = 30, token: str | None = None):
+    """The API, from Python. base_url and token default to TRAINJOBS_API_URL and TRAINJOBS_TOKEN."""
+
+    def __init__(self, base_url: str | None = None, timeout: float = 30, token: str | None = None):
+        base_url = base_url or os.environ.get("TRAINJOBS_API_URL") or DEFAULT_API_URL
+        token = token or os.environ.get("TRAINJOBS_TOKEN")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url, timeout=timeout, headers=headers)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
         return raise_for_status(self.http.request(method, path, **kwargs))
@@ -134,9 +165,56 @@ class Client:
         params = {"node_rank": node_rank} | ({"name": name} if name else {})
         return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params).json()
 
-    def logs(self, job_id: str, offset: int = 0, node_rank: int = 0) -> tuple[str, int, str]:
+    def wait(self, job_id: str, timeout: float | None = None) -> dict:
+        """The job once it has ended (succeeded, failed or cancelled); TimeoutError after `timeout` seconds.
+
+        Rides out a restarting API or a dropped connection (a 5xx or a transport error is tried again)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = WAIT_POLL_S[0]
+        while True:
+            try:
+                job = self.get(job_id)
+                if job["status"] in TERMINAL:
+                    return job
+            except (httpx.TransportError, APIError) as exc:
+                log.info("waiting for job %s: %s; trying again", job_id, retry_reason(exc))
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise TimeoutError(f"job {job_id} has not ended after {timeout:g} s")
+            time.sleep(delay)
+            delay = min(delay * 1.5, WAIT_POLL_S[1])
+
+    def logs(self, job_id: str, *, node_rank: int = 0, follow: bool = False) -> str | Iterator[str]:
+        """The job's combined output so far; with follow=True an iterator over it as it grows, until the job
+        ends (pushed by the event stream, across dropped connections)."""
+        if follow:
+            return self.follow_logs(job_id, node_rank=node_rank)
+        return self.log_page(job_id, node_rank=node_rank)[0]
+
+    def log_page(self, job_id: str, offset: int = 0, node_rank: int = 0) -> tuple[str, int, str]:
+        """The output from byte `offset`: its text, the offset to read from next, and the job's status."""
         r = self._call("GET", f"/v1/jobs/{job_id}/logs", params={"offset": offset, "node_rank": node_rank})
         return r.text, int(r.headers["X-Next-Offset"]), r.headers["X-Job-Status"]
+
+    def artifacts(self, job_id: str) -> "list[dict]":  # a string: `list` is a method here
+        """The job's output files: [{"name", "size", "modified"}]."""
+        return self._call("GET", f"/v1/jobs/{job_id}/artifacts").json()["data"]
+
+    def download(self, job_id: str, name: str, dest: str | os.PathLike | None = None) -> Path:
+        """Save the artifact `name` to `dest` (a file, or a folder to put it in; default: the current folder),
+        streamed; returns the file's path. A partial download never stands in for the file."""
+        dest = Path(dest) if dest is not None else Path.cwd()
+        target = dest / Path(name).name if dest.is_dir() else dest
+        partial = target.with_name(f".{target.name}.part")
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/artifacts/{name}") as r:
+            raise_for_status(r)
+            try:
+                with open(partial, "wb") as out:
+                    for chunk in r.iter_bytes(1 << 20):
+                        out.write(chunk)
+                partial.replace(target)
+            finally:
+                partial.unlink(missing_ok=True)
+        return target
 
     def events(self, job_id: str, last_event_id: str | None = None, metrics: str = "all") -> Iterator[Event]:
         """One connection to the job's event stream, until the server ends it or the connection drops.
@@ -180,7 +258,7 @@ class Client:
         Another node's log (node_rank > 0) is not in the stream's `logs` events: it is read every
         NODE_LOG_POLL_S until a read says the job has ended (that read holds the whole log).
         """
-        text, offset, status = self.logs(job_id, offset, node_rank)
+        text, offset, status = self.log_page(job_id, offset, node_rank)
         if text:
             yield text
         if node_rank:
@@ -188,7 +266,7 @@ class Client:
             while status not in TERMINAL:
                 time.sleep(NODE_LOG_POLL_S)
                 try:
-                    text, offset, status = self.logs(job_id, offset, node_rank)
+                    text, offset, status = self.log_page(job_id, offset, node_rank)
                 except (httpx.TransportError, APIError) as exc:
                     reason = retry_reason(exc)
                     failing_since = failing_since or time.monotonic()
@@ -203,7 +281,7 @@ class Client:
         for event in self.follow_events(job_id, metrics="none"):  # the log and the status only
             grown = event.kind == "logs" and event.data["next_offset"] > offset
             if grown or (event.kind == "status" and event.data["status"] in TERMINAL):
-                text, offset, _status = self.logs(job_id, offset)
+                text, offset, _status = self.log_page(job_id, offset)
                 if text:
                     yield text
 

@@ -1,5 +1,9 @@
 """`--follow`: a job's progress bar, fed by its event stream, and the job's outcome as an exit code."""
 
+import os
+import signal
+import sys
+import threading
 from datetime import timedelta
 
 from rich.console import Console
@@ -54,15 +58,30 @@ class ProgressView:
                 "status": self.status, "loss": loss, "speed": speed, "eta": eta}
 
 
-def follow(client: Client, job_id: str, console: Console | None = None) -> dict:
+def follow(client: Client, job_id: str, console: Console | None = None, *, exit_on_ctrl_c: bool = True) -> dict:
     """Follow the job's event stream to its end, with a progress bar on `console` (none without one); returns
-    the final job. Ctrl-C stops the following only: the job runs on."""
-    try:
-        return follow_events(client, job_id, console)
-    except KeyboardInterrupt:
+    the final job. Ctrl-C stops the following only: the job runs on, and the follower exits 130 at once.
+
+    NOTE: at once, from the signal handler, not by a KeyboardInterrupt: one raised while the progress bar's
+    refresh thread holds its lock left that lock taken, and the bar's exit waited on it forever.
+    exit_on_ctrl_c False (`demo`, which must stop its stack): a KeyboardInterrupt, as Python raises it.
+    """
+    def stop(_signum, _frame):
+        if console is not None:
+            console.show_cursor(True)
+        sys.stdout.flush()
         Console(stderr=True, markup=False).print(f"stopped following job {job_id}; it keeps running "
                                                  f"(`trainjobs cancel {job_id}` stops it)")
-        raise
+        sys.stderr.flush()
+        os._exit(130)
+
+    if not exit_on_ctrl_c or threading.current_thread() is not threading.main_thread():  # (no handler there)
+        return follow_events(client, job_id, console)
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        return follow_events(client, job_id, console)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def follow_events(client: Client, job_id: str, console: Console | None) -> dict:

@@ -91,7 +91,7 @@ def cmd_logs(args, client: Client) -> int:
     """The output so far; with --follow, as it grows until the job ends. --json: one {"text"} object per line
     (JSON lines), or without --follow one object with the offset to resume from and the job's status."""
     if not args.follow:
-        text, next_offset, status = client.logs(args.job_id, node_rank=args.node)
+        text, next_offset, status = client.log_page(args.job_id, node_rank=args.node)
         if args.json:
             return print_json({"job_id": args.job_id, "node_rank": args.node, "text": text,
                                "next_offset": next_offset, "status": status})
@@ -157,7 +157,7 @@ def cmd_demo(args, settings: Settings) -> int:
         job = client.submit(load_spec(args.file))
         console.print(f"submitted {job['id']}: {job['spec']['strategy']} on "
                       f"{job['spec']['resources']['nproc_per_node']} processes")
-        return print_outcome(follow(client, job["id"], console), console)
+        return print_outcome(follow(client, job["id"], console, exit_on_ctrl_c=False), console)
 
 
 def cmd_api(args, settings: Settings) -> int:
