@@ -8,8 +8,11 @@ bare/service so that drift on a shared machine hits both alike; the median round
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -18,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil  # noqa: E402
 
-from bench.common import TERMINAL, bench_stack, run_bare  # noqa: E402
+from bench.common import TERMINAL, bench_stack, run_bare, wait_job  # noqa: E402
 
 SPEC = {
     "name": "bench-throughput",
@@ -61,15 +64,64 @@ def run_service(stack, api, spec: dict) -> dict:
     return {"samples_per_s": job["summary"]["samples_per_s"], "wall_s": wall, "service_cpu_s": overhead}
 
 
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+LOOP_LINE = re.compile(r"ddp_loop: (\d+) steps in ([\d.]+) s, ([\d.]+) steps/s")
+
+
+def loop_rate(output: str) -> float:
+    match = LOOP_LINE.search(output)
+    if match is None:
+        raise RuntimeError(f"no ddp_loop line in the output:\n{output[-2000:]}")
+    return float(match[3])
+
+
+def run_bare_script(seconds: float) -> float:
+    """A user's plain DDP script under torchrun as they would start it from a shell: steps/s."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+            str(SCRIPTS / "ddp_loop.py"), "--seconds", str(seconds)]
+    with tempfile.TemporaryDirectory(prefix="trainjobs-bare-") as tmp:  # torchrun's torchelastic_* folder
+        done = subprocess.run(argv, env=dict(os.environ, TMPDIR=tmp), capture_output=True, text=True, check=True)
+    return loop_rate(done.stdout)
+
+
+def run_service_script(api, seconds: float) -> float:
+    """The same script as an entrypoint job (the worker's scripts dir is bench/scripts): steps/s from its log."""
+    spec = {"name": "bench-entrypoint", "resources": {"nproc_per_node": 2, "device": "cpu"},
+            "entrypoint": {"script": "ddp_loop.py", "args": ["--seconds", str(seconds)]}}
+    job = wait_job(api, api.post("/v1/jobs", json=spec).json()["id"], poll_s=1.0)
+    assert job["status"] == "succeeded", job["error"]
+    return loop_rate(api.get(f"/v1/jobs/{job['id']}/logs").text)
+
+
+def entrypoint_rounds(api, rounds: int, seconds: float) -> None:
+    ratios = []
+    for i in range(rounds):
+        if i % 2 == 0:
+            bare, svc = run_bare_script(seconds), run_service_script(api, seconds)
+        else:
+            svc, bare = run_service_script(api, seconds), run_bare_script(seconds)
+        ratios.append(svc / bare)
+        print(f"entrypoint round {i + 1}: bare {bare:.1f} steps/s, service {svc:.1f} steps/s, ratio {ratios[-1]:.3f}")
+    print(f"a user's DDP script, service / bare torchrun: median {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f}) over {rounds} rounds of {seconds:g} s; goal >= 0.97")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=SPEC["train"]["max_steps"])
+    parser.add_argument("--row", choices=["runtime", "entrypoint", "both"], default="both",
+                        help="the built-in runtime's row, a user's plain DDP script's (bench/scripts), or both")
+    parser.add_argument("--entry-seconds", type=float, default=6.0, help="each entrypoint run's training time")
     args = parser.parse_args()
     spec = json.loads(json.dumps(SPEC))
     spec["train"]["max_steps"] = args.steps
     ratios, e2e, bare_sps, svc_sps, cpu_share = [], [], [], [], []
-    with bench_stack() as (stack, api):
+    with bench_stack(allow_entrypoints=True, scripts_dir=SCRIPTS) as (stack, api):
+        if args.row != "runtime":
+            entrypoint_rounds(api, args.rounds, args.entry_seconds)
+        if args.row == "entrypoint":
+            return
         for i in range(args.rounds):
             if i % 2 == 0:  # alternate which goes first, so drift does not favour either
                 bare, svc = run_bare_round(spec), run_service(stack, api, spec)
