@@ -3,7 +3,6 @@
 import ctypes
 import logging
 import signal
-import subprocess
 import time
 
 import psutil
@@ -87,32 +86,80 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def stop_all(root: subprocess.Popen, tag: str, grace_s: float) -> list[int]:
-    """SIGTERM torchrun (it forwards to its ranks), wait `grace_s`, SIGKILL whatever is left.
+class AttemptProcesses:
+    """Every process of one attempt, found in a way its processes cannot escape.
 
-    Returns the pids that were still alive and got SIGKILL. Ends only when none is alive.
+    The supervisor is a child subreaper (become_subreaper): whatever an attempt starts stays its descendant,
+    however it detaches (a new session, a double fork, its parent's death): the orphan is re-parented to the
+    supervisor, not to init. So the attempt's processes are the supervisor's descendants that did not exist
+    before torchrun started (by pid and start time, against pid reuse), plus, belt and braces, torchrun's tree
+    and whatever carries the run tag. A helper that cleared its environment is found all the same.
+    Make it before starting torchrun; set `root_pid` once it runs.
     """
-    root_pid = root.pid
-    procs = find_processes(root_pid, tag)
-    for proc in procs:
-        _signal(proc, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and find_processes(root_pid, tag):
+
+    def __init__(self, tag: str):
+        self.tag, self.root_pid = tag, None
+        self._me = psutil.Process()
+        self._before = {key for p in self._me.children() if (key := _key(p))}
+
+    def find(self) -> list[psutil.Process]:
+        found = {p.pid: p for p in find_processes(self.root_pid, self.tag)} if self.root_pid else {}
+        # Our children born since the snapshot (torchrun, and whatever was re-parented to us) with their trees;
+        # what was already there and its trees are not this attempt's (a test's in-process supervisor has more).
+        try:
+            new = [p for p in self._me.children() if (key := _key(p)) and key not in self._before]
+        except psutil.Error:
+            new = []
+        for child in new:
+            try:
+                tree = [child, *child.children(recursive=True)]
+            except psutil.Error:
+                tree = [child]
+            for proc in tree:
+                found.setdefault(proc.pid, proc)
+        return [p for p in found.values() if _alive(p)]
+
+    def stop(self, grace_s: float) -> list[int]:
+        """SIGTERM every process (torchrun forwards it to its ranks), wait `grace_s`, SIGKILL whatever is left.
+
+        Returns the pids that were still alive and got SIGKILL. Ends only when none is alive.
+        """
+        procs = self.find()
+        for proc in procs:
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and self.find():
+            _reap(procs)
+            time.sleep(0.1)
+        killed = []
+        for _ in range(50):  # re-scan: a process may have been forked during the grace period
+            left = self.find()
+            if not left:
+                break
+            for proc in left:
+                _signal(proc, signal.SIGKILL)
+                killed.append(proc.pid)
+            psutil.wait_procs(left, timeout=1)
         _reap(procs)
-        time.sleep(0.1)
-    killed = []
-    for _ in range(50):  # re-scan: a process may have been forked during the grace period
-        left = find_processes(root_pid, tag)
-        if not left:
-            break
-        for proc in left:
-            _signal(proc, signal.SIGKILL)
-            killed.append(proc.pid)
-        psutil.wait_procs(left, timeout=1)
-    _reap(procs)
-    if killed:
-        log.warning("SIGKILLed %d process(es) of run %s after %.1fs grace", len(set(killed)), tag, grace_s)
-    return sorted(set(killed))
+        self.reap()
+        if killed:
+            log.warning("SIGKILLed %d process(es) of run %s after %.1fs grace", len(set(killed)), self.tag, grace_s)
+        return sorted(set(killed))
+
+    def reap(self) -> None:
+        """Collect the exit status of every re-parented process of ours that has ended (no zombies left)."""
+        try:
+            zombies = [p for p in self._me.children() if p.status() == psutil.STATUS_ZOMBIE and p.pid != self.root_pid]
+        except psutil.Error:
+            return
+        _reap(zombies)
+
+
+def _key(proc: psutil.Process) -> tuple[int, float] | None:
+    try:
+        return proc.pid, proc.create_time()
+    except psutil.Error:
+        return None
 
 
 def _signal(proc: psutil.Process, sig: int) -> None:

@@ -4,6 +4,8 @@ import codecs
 import math
 import os
 import threading
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -39,22 +41,35 @@ class OutputPump:
     """Reads torchrun's merged stdout/stderr on a thread, so the pipe never fills and blocks training."""
 
     def __init__(self, fd: int):
-        self._fd, self._lock, self._pending = fd, threading.Lock(), bytearray()
+        # Its own copy of the pipe's end: should it be given up on (wait_closed), the caller may close the
+        # original, and the reader never reads a number that now names another file.
+        self._fd, self._lock, self._pending = os.dup(fd), threading.Lock(), bytearray()
         self._thread = threading.Thread(target=self._read, name="output-pump", daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
-        while data := os.read(self._fd, 65536):
-            with self._lock:
-                self._pending += data
+        try:
+            while data := os.read(self._fd, 65536):
+                with self._lock:
+                    self._pending += data
+        finally:
+            os.close(self._fd)
+
+    def wait_closed(self, give_up_s: float, every_s: float, meanwhile: Callable[[], object]) -> bool:
+        """Wait until every writer has closed the pipe, calling `meanwhile` (the supervisor ships and renews its
+        lease) every `every_s`; False after `give_up_s`: a process out of our reach holds it open."""
+        deadline = time.monotonic() + give_up_s
+        while self._thread.is_alive():
+            if time.monotonic() >= deadline:
+                return False
+            self._thread.join(min(every_s, max(0.0, deadline - time.monotonic())))
+            meanwhile()
+        return True
 
     def take(self) -> bytes:
         with self._lock:
             data, self._pending = bytes(self._pending), bytearray()
         return data
-
-    def join(self, timeout: float = 10) -> None:
-        self._thread.join(timeout)
 
 
 class LogShipper:
