@@ -31,6 +31,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(2**20, ge=1024, description="larger request bodies get a 413")
     submit_rate_per_min: int = Field(60, ge=1, description="job submissions per token per minute, then 429")
     quota_active_jobs: int = Field(100, ge=1, description="queued + running jobs per owner, then 429")
+    # Working-directory packages (service/packages/, trainjobs/packing.py).
+    max_package_bytes: int = Field(100 * 2**20, ge=1024, description="a package's .tar.gz; larger is a 413")
+    max_package_files: int = Field(10_000, ge=1, description="members of a package; more is a 422")
+    max_package_unpacked_bytes: int = Field(500 * 2**20, ge=1024, description="a package unpacked; more is a 422")
+    quota_package_bytes: int = Field(2**30, ge=1024, description="packages stored per owner, then 413")
+    package_cache_bytes: int = Field(10 * 2**30, ge=0, description="a worker's unpacked packages, least "
+                                     "recently used evicted past it")
 
     # Supervision of a running job (worker side).
     poll_s: float = Field(0.5, gt=0, description="how often the supervisor ships logs/metrics and checks cancel")

@@ -120,6 +120,7 @@ class Client:
         token = token or os.environ.get("TRAINJOBS_TOKEN")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url, timeout=timeout, headers=headers)
+        self.last_upload = None  # upload_package: what it sent last (None: the API had it already)
 
     def close(self) -> None:
         self.http.close()
@@ -284,6 +285,29 @@ class Client:
                 text, offset, _status = self.log_page(job_id, offset)
                 if text:
                     yield text
+
+    def upload_package(self, folder: str | os.PathLike) -> str:
+        """Pack `folder` (trainjobs/packing.py) and upload it unless the API holds it for us already; returns its
+        digest ("sha256:<hex>") for a spec's entrypoint.package. The file is streamed, never read whole."""
+        from trainjobs.packing import pack
+
+        with pack(folder) as packed:
+            self.last_upload = None  # what the last call sent: None when the API had it
+            if self.http.head(f"/v1/packages/{packed.digest}").status_code == 200:
+                return packed.digest
+            with open(packed.path, "rb") as body:
+                self._call("PUT", f"/v1/packages/{packed.digest}", content=body,
+                           headers={"Content-Type": "application/octet-stream", "Content-Length": str(packed.size)},
+                           timeout=httpx.Timeout(30, write=600))
+            self.last_upload = packed
+            return packed.digest
+
+    def packages(self) -> dict:
+        """The caller's packages: {"data": [{"digest", "size", "files", ...}], "count", "bytes"}."""
+        return self._call("GET", "/v1/packages").json()
+
+    def delete_package(self, digest: str) -> None:
+        self._call("DELETE", f"/v1/packages/{digest}")
 
     def create_token(self, name: str, **fields) -> dict:
         return self._call("POST", "/v1/tokens", json={"name": name, **fields}).json()

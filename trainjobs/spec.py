@@ -146,8 +146,12 @@ class Entrypoint(_Strict):
 
     module: str | None = Field(None, max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
                                description="run as python -m MODULE")
-    script: str | None = Field(None, min_length=1, max_length=1024, description="relative to TRAINJOBS_SCRIPTS_DIR")
+    script: str | None = Field(None, min_length=1, max_length=1024,
+                               description="relative to the package's root, else to TRAINJOBS_SCRIPTS_DIR")
     args: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=256)
+    package: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$",
+                                description="an uploaded working directory (PUT /v1/packages/sha256:<hex>): the "
+                                "ranks run in a copy of it")
 
     @model_validator(mode="after")
     def _one_target(self):

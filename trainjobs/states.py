@@ -58,3 +58,5 @@ class ErrorType(StrEnum):
     ENTRYPOINT_DISABLED = "entrypoint_disabled"  # the worker does not run users' own code
     INVALID_ENTRYPOINT = "invalid_entrypoint"  # the script path leaves the scripts directory
     ENTRYPOINT_NOT_FOUND = "entrypoint_not_found"
+    PACKAGE_UNAVAILABLE = "package_unavailable"  # the worker cannot read the job's package (deleted, not shared)
+    UNSAFE_PACKAGE = "unsafe_package"  # the worker's own check of the package before unpacking refused it

@@ -15,11 +15,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE
 from service.jobs import lifecycle
+from service.packages.service import package_file
 from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec
 from trainjobs.states import ErrorType, JobStatus
-from worker import launch, processes
+from worker import launch, packages, processes
 from worker.root_cause import root_cause
 from worker.shipping import LogShipper, MetricTail, OutputPump, sanitized_note
 
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 PREEMPT_RESEND_S = 1.0  # how often a preemption request is repeated to the ranks until they act on it
 DRAIN_FIRST_S, DRAIN_MAX_S = 0.2, 3.0  # after the ranks end, retry shipping from every 0.2 s up to every 3 s
 DRAIN_REFUSALS = 3  # a commit refused (not an outage) this many times is not retried again
+PIPE_WAIT_S = 5.0  # once the attempt's processes are gone, how long its output pipe may stay open
 
 
 class Shipped(enum.Enum):
@@ -69,10 +71,18 @@ class Supervisor:
     def run(self) -> Outcome:
         scripts_dir = self.settings.resolved_scripts_dir
         try:
+            if (code_dir := self._unpack_package()) is not None:  # the job's own folder: its script, its cwd
+                scripts_dir = code_dir
             entry_script = launch.check_entrypoint(self.spec, allowed=self.settings.allow_entrypoints,
                                                    scripts_dir=scripts_dir)
         except launch.EntrypointRefused as exc:  # before anything starts: the job fails, the worker goes on
             return Outcome(JobStatus.FAILED, error={"type": exc.kind, "message": exc.message, "rank": None})
+        except packages.PackageUnavailable as exc:
+            return Outcome(JobStatus.FAILED, error={"type": ErrorType.PACKAGE_UNAVAILABLE, "message": str(exc),
+                                                    "rank": None})
+        except packages.UnsafeArchive as exc:
+            return Outcome(JobStatus.FAILED, error={"type": ErrorType.UNSAFE_PACKAGE, "rank": None,
+                                                    "message": f"the worker refused the job's package: {exc}"})
         job_dir = paths.job_dir(self.settings.resolved_storage_dir, self.job_id)
         plan = launch.render(
             self.spec, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir, python=sys.executable,
@@ -89,11 +99,13 @@ class Supervisor:
         with self.sessions() as db:
             self.logs = LogShipper(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
                                    max_bytes=self.settings.log_max_bytes)
+        procs = processes.AttemptProcesses(self.tag)  # before torchrun: what exists now is not the attempt's
         # A session of its own, so a signal to the worker's terminal never reaches the ranks directly.
         proc = subprocess.Popen(
-            plan.argv, env=plan.env, cwd=self.run_dir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            plan.argv, env=plan.env, cwd=code_dir or self.run_dir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=processes.prepare_torchrun,
         )
+        procs.root_pid = proc.pid
         pump = OutputPump(proc.stdout.fileno())
         try:
             moved = self.gang is not None  # a gang turned running when it formed (worker/gang.py)
@@ -128,14 +140,17 @@ class Supervisor:
                         # cancel is not settled as a lost worker meanwhile.
                         self._lease_extra_s, self._renewed = self.settings.cancel_grace_s + 2, float("-inf")
                         self._ship(pump)
-                    killed = processes.stop_all(proc, self.tag, self.settings.cancel_grace_s)
+                    killed = procs.stop(self.settings.cancel_grace_s)
                     exit_code = proc.wait()
                     break
                 time.sleep(self.settings.poll_s)
-            if processes.find_processes(proc.pid, self.tag):  # torchrun is gone; a straggler holds the pipe open
-                log.warning("attempt %s: ranks outlived torchrun; stopping them", self.tag)
-                killed += processes.stop_all(proc, self.tag, min(1.0, self.settings.cancel_grace_s))
-            pump.join()
+            if left := procs.find():  # torchrun is gone: ranks or their helpers outlived it
+                log.warning("attempt %s: %d process(es) outlived torchrun; stopping them", self.tag, len(left))
+                killed += procs.stop(min(1.0, self.settings.cancel_grace_s))
+            # Every process of the attempt is gone, so the pipe closes: shipping (and the lease) go on meanwhile.
+            if not pump.wait_closed(PIPE_WAIT_S, self.settings.poll_s, lambda: self._ship(pump)):
+                log.error("attempt %s: its output pipe is still open %.0fs after its processes ended; "
+                          "not waiting for it", self.tag, PIPE_WAIT_S)
             self.logs.stage(pump.take(), final=True)
             self._drain(pump)
             if note := sanitized_note(self.logs, self.metrics):  # once, after the last metric line was read
@@ -143,12 +158,29 @@ class Supervisor:
                 self._drain(pump)
         finally:
             # Whatever happened above, no process of this attempt outlives the supervisor.
-            if left := processes.find_processes(proc.pid, self.tag):
+            if left := procs.find():
                 log.error("attempt %s left %d process(es); killing them", self.tag, len(left))
-                processes.stop_all(proc, self.tag, 0)
+                procs.stop(0)
             proc.stdout.close()
             shutil.rmtree(self.run_dir / "tmp", ignore_errors=True)
+            shutil.rmtree(self.run_dir / "code", ignore_errors=True)  # the package's copy: outputs go to artifacts
         return self._outcome(exit_code, stop_reason, killed)
+
+    def _unpack_package(self) -> Path | None:
+        """The attempt's own copy of the job's package (from this machine's cache), or None without one.
+
+        Only on a worker that runs users' code at all: elsewhere check_entrypoint refuses the job first."""
+        entrypoint = self.spec.entrypoint
+        if entrypoint is None or entrypoint.package is None or not self.settings.allow_entrypoints:
+            return None
+        cache = packages.PackageCache(self.settings.data_dir / "package-cache",
+                                      max_bytes=self.settings.package_cache_bytes,
+                                      max_files=self.settings.max_package_files,
+                                      max_unpacked_bytes=self.settings.max_package_unpacked_bytes)
+        code_dir = self.run_dir / "code"
+        packages.materialize(cache, digest=entrypoint.package, dest=code_dir,
+                             archive=package_file(self.settings.resolved_storage_dir, entrypoint.package))
+        return code_dir
 
     def preempt(self) -> None:
         """The worker is shutting down: checkpoint and hand the job back; a second call stops it now.

@@ -27,6 +27,7 @@ from service.errors import TrainjobsError, responses
 from service.jobs.router import router as jobs_router
 from service.logs.router import router as logs_router
 from service.metrics.router import router as metrics_router
+from service.packages.router import router as packages_router
 from service.settings import Settings, get_settings
 from service.workers.router import router as workers_router
 
@@ -101,7 +102,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                    auth_router, workers_router):
         app.include_router(router, dependencies=[Depends(current_principal), Depends(refuse_non_finite)],
                            responses=responses(401, 422))
+    # A package's body is a .tar.gz streamed to disk under its own cap (service/packages/service.py): no JSON.
+    app.include_router(packages_router, dependencies=[Depends(current_principal)], responses=responses(401, 422))
     install_prometheus(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # outermost: before anything reads a body
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,  # outermost: before anything reads a body
+                       exempt=lambda scope: scope["method"] == "PUT" and scope["path"].startswith("/v1/packages/"))
     app.add_middleware(RefuseNul)
     return app

@@ -1,16 +1,18 @@
 """ASGI middleware of the API: a cap on request bodies (API4) and no NUL bytes in a path or query."""
 
+from collections.abc import Callable
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class BodyLimit:
     """ASGI middleware: a request body over max_bytes gets a 413, whether or not it declared its length."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, exempt: Callable[[Scope], bool] = lambda _scope: False):
+        self.app, self.max_bytes, self.exempt = app, max_bytes, exempt  # exempt: a route with a cap of its own
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or self.exempt(scope):
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):

@@ -12,6 +12,7 @@ import yaml
 from rich.console import Console
 from rich.text import Text
 
+from service.cli import run as run_cli
 from service.cli import tables
 from service.cli import tokens as auth_cli
 from service.cli.follow import exit_code, follow, print_outcome
@@ -31,7 +32,12 @@ def load_spec(path: str) -> dict:
 
 def cmd_submit(args, client: Client) -> int:
     """Submit; with --follow, stream the job's progress and exit with its outcome (0, 1, or 130: cancelled)."""
-    job = client.submit(load_spec(args.file))
+    spec = load_spec(args.file)
+    if args.workdir is not None:  # ship the folder: entrypoint.script (or module) is relative to it
+        if not isinstance(spec.get("entrypoint"), dict):
+            raise ValueError("--workdir ships your code with an entrypoint job: the spec needs an `entrypoint`")
+        spec["entrypoint"]["package"] = run_cli.upload(client, Path(args.workdir))
+    job = client.submit(spec)
     if args.json:  # the submitted job; with --follow, the finished one
         if not args.follow:
             return print_json(job)
@@ -208,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--follow", action="store_true",
                         help="stream progress until the job ends; exit 0 succeeded, 1 failed, 130 cancelled")
     submit.add_argument("--json", action="store_true", help="the job as JSON (with --follow: once it has ended)")
+    submit.add_argument("--workdir", metavar="DIR", help="pack and upload DIR with the job (entrypoint jobs)")
     submit.set_defaults(remote=cmd_submit)
     plan = sub.add_parser("plan", help="the memory plan of a job spec (DDP or FSDP, and why), without submitting")
     plan.add_argument("file")
@@ -233,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     workers = sub.add_parser("workers", help="the workers: state, slots, labels, current job, last heartbeat")
     workers.add_argument("--json", action="store_true", help="the list as the API returns it")
     workers.set_defaults(remote=cmd_workers)
+    run_cli.register(sub)
     auth_cli.register(sub)
     return parser
 

@@ -11,7 +11,7 @@ FINAL_TYPES = frozenset({
     "ValueError", "TypeError", "KeyError", "IndexError", "AttributeError", "NameError", "SyntaxError",
     "ImportError", "ModuleNotFoundError", "AssertionError", "NotImplementedError", "ZeroDivisionError",
     ErrorType.TIMEOUT, ErrorType.ENTRYPOINT_DISABLED, ErrorType.INVALID_ENTRYPOINT, ErrorType.ENTRYPOINT_NOT_FOUND,
-    ErrorType.ATTEMPT_LOST,
+    ErrorType.ATTEMPT_LOST, ErrorType.PACKAGE_UNAVAILABLE, ErrorType.UNSAFE_PACKAGE,
     "NonFiniteLoss",  # a diverged run (worker/train/main.py, train.stop_on_nan) diverges again from its checkpoint
 })
 # The attempt statuses that spend max_retries; a hand-back (preempted) or a gang's other nodes (stopped) do not.

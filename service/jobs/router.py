@@ -11,6 +11,7 @@ from service.auth.limits import check_submission
 from service.errors import responses
 from service.jobs import lifecycle, queue, service
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
+from service.packages import service as packages
 from service.workers import service as worker_rows
 from trainjobs.spec import JobSpec
 from trainjobs.states import JobStatus
@@ -23,7 +24,8 @@ IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_lengt
 REPLAYED = {200: {"model": JobPublic, "description": "a retry with the same Idempotency-Key: the first one's job"}}
 
 
-@router.post("", status_code=201, response_model=JobPublic, responses=REPLAYED | responses(400, 403, 409, 413, 429))
+@router.post("", status_code=201, response_model=JobPublic,
+             responses=REPLAYED | responses(400, 403, 404, 409, 413, 429))
 def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDep, settings: SettingsDep,
                principal: PrincipalDep, idempotency_key: IdempotencyKey = None):
     """Store the job, commit, then enqueue: the row is the truth, the queue entry only a hint.
@@ -36,6 +38,8 @@ def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDe
     created = False
     if job is None:
         check_submission(db, redis, settings, principal, spec)
+        if spec.entrypoint is not None and spec.entrypoint.package is not None:  # the owner's own, or a 404
+            packages.get(db, owner=owner, digest=spec.entrypoint.package, field="entrypoint.package")
         service.check_inputs(spec, data_dir=settings.data_dir)
         workers = worker_rows.memory_for(db, spec=spec, lost_after_s=settings.lease_s)
         job, created = service.create_once(db, spec=spec, idempotency_key=idempotency_key, owner=owner,
