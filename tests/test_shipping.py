@@ -1,6 +1,7 @@
 """Shipping output to the database: byte offsets across attempts, split UTF-8, the per-job cap; a gang's progress."""
 
 import json
+import threading
 import time
 from datetime import timedelta
 
@@ -217,8 +218,11 @@ class _CutOff:
 
 
 def test_a_worker_cut_off_from_the_database_stops_its_ranks_once_its_lease_runs_out(settings, tmp_path):
-    """Past its lease the sweeper gives the job to another attempt: the ranks of this one must not train on."""
-    settings, spec = script_spec(settings, tmp_path, "sleepy.py", "import time\ntime.sleep(60)\n")
+    """Past its lease the sweeper gives the job to another attempt: the ranks of this one must not train on.
+    They are stopped while the database is still away; once it is back, what they wrote is shipped (the
+    supervisor drains however long the outage) and the attempt ends as a lost worker's."""
+    settings, spec = script_spec(settings, tmp_path, "sleepy.py", "import time\nprint('up', flush=True)\n"
+                                                                  "time.sleep(60)\n")
     settings = settings.model_copy(update={"lease_s": 2.0, "cancel_grace_s": 1.0})
     engine = make_engine(settings.database_url)
     sessions = _CutOff(make_sessionmaker(engine))
@@ -227,15 +231,26 @@ def test_a_worker_cut_off_from_the_database_stops_its_ranks_once_its_lease_runs_
     run_dir.mkdir()
     sup = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=1, spec=spec, run_dir=run_dir)
     real_ship = sup._ship
+    ranks_at_return: list[list] = []
+
+    def back():  # the database returns 8 s in: the lease (2 s) and the grace (1 s) are long gone
+        ranks_at_return.append([p for p in psutil.process_iter(["environ"])
+                                if (p.info["environ"] or {}).get(RUN_TAG_ENV) == sup.tag])
+        sessions.out = False
 
     def ship_then_cut(pump):
-        real_ship(pump)
-        sessions.out = True  # after the first renewal: the database goes away
+        shipped = real_ship(pump)
+        if not sessions.out and not ranks_at_return and not hasattr(sup, "_cut"):
+            sup._cut = threading.Timer(8.0, back)  # after the first renewal: the database goes away
+            sup._cut.start()
+            sessions.out = True
+        return shipped
 
     sup._ship = ship_then_cut
     started = time.monotonic()
     outcome = sup.run()
     assert time.monotonic() - started < 15
+    assert ranks_at_return == [[]]  # stopped while the database was still away
     assert outcome.status == JobStatus.FAILED and outcome.error["type"] == "worker_lost"
     assert "could not renew its lease" in outcome.error["message"]
     assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get(RUN_TAG_ENV) == sup.tag]
