@@ -61,6 +61,20 @@ def test_packing_is_deterministic_and_honours_the_ignore_file(tmp_path):
         assert three.digest != digest
 
 
+def test_an_unchanged_folder_is_known_by_its_fingerprint_without_packing(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = project(tmp_path / "p")
+    key = packing.fingerprint(folder)
+    assert packing.known_digest(key) is None
+    with pack(folder) as packed:
+        packing.remember_digest(key, packed.digest)
+    assert packing.known_digest(packing.fingerprint(folder)) == packed.digest
+    (folder / "notes.log").write_text("ignored: changes nothing\n")
+    assert packing.fingerprint(folder) == key
+    (folder / "train.py").write_text("print('edited')\n")
+    assert packing.fingerprint(folder) != key
+
+
 def test_a_link_out_of_the_folder_is_refused_at_packing(tmp_path):
     root = tmp_path / "p"
     root.mkdir()

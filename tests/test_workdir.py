@@ -78,7 +78,8 @@ def stack(postgres_url, tmp_path_factory):
 
 
 def trainjobs(stack, cwd: Path, *argv: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRAINJOBS_API_URL=stack.api_url, TRAINJOBS_TOKEN=stack.token)
+    env = dict(os.environ, TRAINJOBS_API_URL=stack.api_url, TRAINJOBS_TOKEN=stack.token,
+               XDG_CACHE_HOME=str(cwd.parent / "cache"))  # the CLI's digest cache: the test's own
     return subprocess.run([sys.executable, "-m", "service.cli", *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=240)
 
@@ -112,7 +113,8 @@ def test_trainjobs_run_ships_the_folder_and_the_script_imports_its_own_modules(s
     assert dry.returncode == 0 and json.loads(dry.stdout)["entrypoint"]["package"] == package["digest"]
 
 
-def test_the_sdk_uploads_submits_waits_and_reads_the_metrics(stack, tmp_path):
+def test_the_sdk_uploads_submits_waits_and_reads_the_metrics(stack, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = make_project(tmp_path / "sdk-project")
     (folder / "utils.py").write_text("WHO = 'the sdk utils'\n")  # another folder: another package
     with Client(stack.api_url, token=stack.token) as c:

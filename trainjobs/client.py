@@ -289,10 +289,17 @@ class Client:
     def upload_package(self, folder: str | os.PathLike) -> str:
         """Pack `folder` (trainjobs/packing.py) and upload it unless the API holds it for us already; returns its
         digest ("sha256:<hex>") for a spec's entrypoint.package. The file is streamed, never read whole."""
-        from trainjobs.packing import pack
+        from trainjobs import packing
 
-        with pack(folder) as packed:
-            self.last_upload = None  # what the last call sent: None when the API had it
+        self.last_upload = None
+        # An unchanged folder (names, sizes, modification times) that this machine packed before is not packed
+        # again to learn its digest: if the API has that package, nothing is read or sent.
+        key = packing.fingerprint(folder)
+        known = packing.known_digest(key)
+        if known is not None and self.http.head(f"/v1/packages/{known}").status_code == 200:
+            return known
+        with packing.pack(folder) as packed:
+            packing.remember_digest(key, packed.digest)
             if self.http.head(f"/v1/packages/{packed.digest}").status_code == 200:
                 return packed.digest
             with open(packed.path, "rb") as body:

@@ -9,6 +9,7 @@ folder is the same package and is uploaded once.
 import fnmatch
 import gzip
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -131,7 +132,8 @@ def pack(folder: str | os.PathLike) -> Iterator[Packed]:
     path = Path(name)
     try:
         files = 0
-        with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz, \
+        with open(path, "wb") as raw, \
+                gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="", compresslevel=6) as gz, \
                 tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for relative, entry in walk(root):
                 info = _tarinfo(tar, entry, relative, root)
@@ -144,6 +146,50 @@ def pack(folder: str | os.PathLike) -> Iterator[Packed]:
         yield Packed(path=path, digest=file_digest(path), size=path.stat().st_size, files=files)
     finally:
         path.unlink(missing_ok=True)
+
+
+def fingerprint(folder: str | os.PathLike) -> str:
+    """What the package of `folder` would hold, by name, size, mode and modification time (no file is read):
+    the key of the client's digest cache, so an unchanged folder is not packed again to learn its digest."""
+    root = Path(folder).resolve()
+    h = hashlib.sha256(str(root).encode())
+    for relative, entry in walk(root):
+        st = entry.lstat()
+        h.update(f"{relative}\0{st.st_size}\0{st.st_mode}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _digest_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "trainjobs" / "package-digests.json"
+
+
+def known_digest(key: str) -> str | None:
+    """The digest this machine packed last for a folder with this fingerprint, if any."""
+    try:
+        digest = json.loads(_digest_cache().read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return digest if isinstance(digest, str) and DIGEST.match(digest) else None
+
+
+def remember_digest(key: str, digest: str, keep: int = 256) -> None:
+    """Note a folder's digest (the newest `keep` folders); a cache that cannot be written is no error."""
+    path = _digest_cache()
+    try:
+        try:
+            known = json.loads(path.read_text())
+            known = known if isinstance(known, dict) else {}
+        except (OSError, ValueError):
+            known = {}
+        known.pop(key, None)
+        known[key] = digest
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(f".{path.name}.{os.getpid()}")
+        temp.write_text(json.dumps(dict(list(known.items())[-keep:])))
+        os.replace(temp, path)
+    except OSError:
+        pass
 
 
 def file_digest(path: str | os.PathLike) -> str:

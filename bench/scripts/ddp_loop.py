@@ -47,4 +47,5 @@ while True:
 elapsed = time.perf_counter() - started
 if int(os.environ.get("RANK", 0)) == 0:
     print(f"ddp_loop: {steps} steps in {elapsed:.3f} s, {steps / elapsed:.2f} steps/s", flush=True)
+dist.barrier()  # NOTE: without it gloo may abort one rank in teardown ("terminate called without an active exception")
 dist.destroy_process_group()
