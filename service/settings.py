@@ -38,6 +38,13 @@ class Settings(BaseSettings):
     quota_package_bytes: int = Field(2**30, ge=1024, description="packages stored per owner, then 413")
     package_cache_bytes: int = Field(10 * 2**30, ge=0, description="a worker's unpacked packages, least "
                                      "recently used evicted past it")
+    # A job's own dependencies (entrypoint.requirements, worker/environments.py).
+    allow_pip: bool = Field(False, description="this worker builds a virtualenv for a job's requirements (it "
+                            "also needs TRAINJOBS_ALLOW_ENTRYPOINTS)")
+    pip_timeout_s: float = Field(1200.0, gt=0, description="installing one job's requirements; past it the job "
+                                 "fails")
+    env_cache_bytes: int = Field(20 * 2**30, ge=0, description="a worker's built environments, least recently "
+                                 "used (and unused) evicted past it")
 
     # Supervision of a running job (worker side).
     poll_s: float = Field(0.5, gt=0, description="how often the supervisor ships logs/metrics and checks cancel")

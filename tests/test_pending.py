@@ -43,6 +43,23 @@ def test_a_worker_fits_a_job_on_device_slots_memory_and_labels():
         assert fit.misfit(need, other) == why
 
 
+def test_a_job_with_requirements_fits_only_a_worker_that_installs_them():
+    spec = JobSpec.model_validate({"entrypoint": {"script": "t.py", "requirements": ["tomli-w==1.0.0"]}})
+    need = fit.need_of(spec, None)
+
+    class Plain:
+        id, device, slots, memory_bytes, labels = "plain", "cpu", 2, 2**34, {"zone": "a"}
+
+    class Pip(Plain):
+        id, labels = "pip", {fit.PIP_LABEL: "true"}
+
+    assert need.pip and fit.misfit(need, Pip) is None
+    assert fit.misfit(need, Plain) == "does not install requirements (TRAINJOBS_ALLOW_PIP)"
+    assert fit.pending_reason(need, [Plain]) == "no live worker fits (plain: does not install requirements " \
+        "(TRAINJOBS_ALLOW_PIP))"
+    assert not fit.need_of(JobSpec.model_validate({"entrypoint": {"script": "t.py"}}), None).pip
+
+
 def test_pending_reason_says_why_no_live_worker_takes_a_job(settings):
     engine = make_engine(settings.database_url)
     with make_sessionmaker(engine)() as db:

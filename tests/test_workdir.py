@@ -130,3 +130,14 @@ def test_the_sdk_uploads_submits_waits_and_reads_the_metrics(stack, tmp_path, mo
         assert loss["steps"] == [1, 2, 3, 4, 5]
         assert "the sdk utils" in c.logs(job["id"])
         assert digest in [p["digest"] for p in c.packages()["data"]]
+
+
+def test_a_job_with_requirements_is_refused_when_no_live_worker_installs_them(stack):
+    """This stack's worker runs users' code without TRAINJOBS_ALLOW_PIP (tests/test_requirements.py: with)."""
+    with stack.client() as api:
+        response = api.post("/v1/jobs", json={"entrypoint": {"script": "t.py", "requirements": ["tomli-w"]}})
+        workers = api.get("/v1/workers").json()
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert body["field"] == "entrypoint.requirements" and "TRAINJOBS_ALLOW_PIP=1" in body["detail"]
+    assert workers["items"] and all("trainjobs.io/pip" not in w["labels"] for w in workers["items"])

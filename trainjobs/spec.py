@@ -2,6 +2,7 @@
 
 from typing import Annotated, Literal
 
+from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainjobs import runenv
@@ -9,6 +10,51 @@ from trainjobs import runenv
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\- ]*$")]
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:=/\-]*$")]
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
+
+
+REQUIREMENTS_MAX = 200
+
+
+def _relative(path: str) -> bool:
+    parts = path.replace("\\", "/").split("/")
+    return not path.startswith("/") and ".." not in parts and "\0" not in path
+
+
+RelativePath = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+def requirement_problem(line: str) -> str | None:
+    """Why `line` is not one plain requirement (PEP 508: a name, extras, a version range, markers, or an URL).
+
+    pip's options (-r, -e, --index-url, ...) are not requirements: where pip installs from is the worker's
+    configuration, and a file or an editable path would point into the worker's disk.
+    """
+    text = line.strip()
+    if not text or "\n" in line or "\r" in line or "\0" in line:
+        return "one requirement per item, not empty"
+    if text.startswith("-"):
+        return "pip options are not allowed, only requirements such as 'name==1.2'"
+    try:
+        requirement = Requirement(text)
+    except InvalidRequirement as exc:
+        return f"not a valid requirement ({str(exc).splitlines()[0]})"
+    if requirement.url is not None and not requirement.url.startswith(("https://", "http://")):
+        return "a direct reference must be an http(s) URL, not a path on the worker"
+    return None
+
+
+def read_requirements(text: str) -> list[str]:
+    """A requirements file's requirement lines: comments, blank lines and line continuations handled."""
+    lines, current = [], ""
+    for raw in text.splitlines():
+        line = raw.split(" #", 1)[0].strip() if not raw.lstrip().startswith("#") else ""
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        line, current = (current + line).strip(), ""
+        if line:
+            lines.append(line)
+    return lines
 
 
 class _Strict(BaseModel):
@@ -152,15 +198,32 @@ class Entrypoint(_Strict):
     package: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$",
                                 description="an uploaded working directory (PUT /v1/packages/sha256:<hex>): the "
                                 "ranks run in a copy of it")
+    requirements: list[Annotated[str, Field(min_length=1, max_length=512)]] | RelativePath | None = Field(
+        None, description="pip requirements installed into a virtualenv layered on the worker's (torch stays the "
+        "worker's): a list of lines, or the name of a requirements file in the package")
+
+    @field_validator("requirements")
+    @classmethod
+    def _plain_requirements(cls, value):
+        if isinstance(value, list):
+            if len(value) > REQUIREMENTS_MAX:
+                raise ValueError(f"at most {REQUIREMENTS_MAX} requirements")
+            for i, line in enumerate(value):
+                if problem := requirement_problem(line):
+                    raise ValueError(f"requirements[{i}] {line!r}: {problem}")
+        return value
 
     @model_validator(mode="after")
     def _one_target(self):
         if (self.module is None) == (self.script is None):
             raise ValueError("entrypoint needs exactly one of 'module' or 'script'")
-        if self.script is not None:
-            parts = self.script.replace("\\", "/").split("/")
-            if self.script.startswith("/") or ".." in parts or "\0" in self.script:
-                raise ValueError("entrypoint.script must be a relative path inside the scripts directory")
+        if self.script is not None and not _relative(self.script):
+            raise ValueError("entrypoint.script must be a relative path inside the scripts directory")
+        if isinstance(self.requirements, str) and not _relative(self.requirements):
+            raise ValueError("entrypoint.requirements must be a relative path inside the package")
+        if isinstance(self.requirements, str) and self.package is None:
+            raise ValueError("entrypoint.requirements names a file in the package: it needs entrypoint.package "
+                             "(or give the requirements as a list)")
         return self
 
 

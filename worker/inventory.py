@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE
 from service.settings import Settings
+from service.workers import fit
 from service.workers import service as workers
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ def parse_labels(text: str | list[str] | None) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"a worker label is key=value, not {item!r}")
+        if key.strip().startswith(fit.RESERVED_LABEL_PREFIX):
+            raise ValueError(f"worker labels under {fit.RESERVED_LABEL_PREFIX} are the worker's own, not {item!r}")
         labels[key.strip()] = value.strip()
     return labels
 
@@ -84,7 +87,12 @@ def probe(settings: Settings, *, name: str, labels: dict[str, str] | None = None
     return Offer(id=name, host=socket.gethostname(), address=address,
                  device=device, slots=settings.worker_slots or max(1, detected_slots),
                  memory_bytes=gpu_bytes if device == "cuda" else host_bytes, host_memory_bytes=host_bytes,
-                 labels={**parse_labels(settings.worker_labels), **(labels or {})})
+                 labels={**parse_labels(settings.worker_labels), **(labels or {}), **capabilities(settings)})
+
+
+def capabilities(settings: Settings) -> dict[str, str]:
+    """What the worker's switches let it do, as labels a job's needs match (service/workers/fit.py)."""
+    return {fit.PIP_LABEL: "true"} if settings.allow_pip and settings.allow_entrypoints else {}
 
 
 def register(sessions: sessionmaker[Session], *, offer: Offer) -> None:

@@ -18,9 +18,9 @@ from service.jobs import lifecycle
 from service.packages.service import package_file
 from service.settings import Settings
 from trainjobs import paths, runenv
-from trainjobs.spec import JobSpec
+from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType, JobStatus
-from worker import launch, packages, processes
+from worker import environments, launch, packages, processes
 from worker.root_cause import root_cause
 from worker.shipping import LogShipper, MetricTail, OutputPump, sanitized_note
 
@@ -75,6 +75,7 @@ class Supervisor:
                 scripts_dir = code_dir
             entry_script = launch.check_entrypoint(self.spec, allowed=self.settings.allow_entrypoints,
                                                    scripts_dir=scripts_dir)
+            requirements = self._requirements(code_dir)
         except launch.EntrypointRefused as exc:  # before anything starts: the job fails, the worker goes on
             return Outcome(JobStatus.FAILED, error={"type": exc.kind, "message": exc.message, "rank": None})
         except packages.PackageUnavailable as exc:
@@ -83,9 +84,36 @@ class Supervisor:
         except packages.UnsafeArchive as exc:
             return Outcome(JobStatus.FAILED, error={"type": ErrorType.UNSAFE_PACKAGE, "rank": None,
                                                     "message": f"the worker refused the job's package: {exc}"})
+        except environments.RequirementsFailed as exc:
+            return Outcome(JobStatus.FAILED, error={"type": ErrorType.REQUIREMENTS_FAILED, "message": str(exc),
+                                                    "rank": None})
         job_dir = paths.job_dir(self.settings.resolved_storage_dir, self.job_id)
+        with self.sessions() as db:
+            self.logs = LogShipper(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
+                                   max_bytes=self.settings.log_max_bytes)
+        env = None
+        try:
+            if requirements:
+                try:
+                    env = self._build_env(requirements)
+                except (environments.RequirementsFailed, environments.BuildStopped) as exc:
+                    self.logs.stage(f"[trainjobs] requirements: {exc}\n".encode(), final=True)
+                    self._drain(None)
+                    if isinstance(exc, environments.BuildStopped):
+                        return self._outcome(None, self._stop_reason(), [])
+                    return Outcome(JobStatus.FAILED, error={"type": ErrorType.REQUIREMENTS_FAILED, "rank": None,
+                                                            "message": str(exc)})
+            return self._launch(job_dir=job_dir, code_dir=code_dir, scripts_dir=scripts_dir,
+                                entry_script=entry_script, python=env.python if env else sys.executable)
+        finally:
+            if env is not None:
+                env.release()
+            shutil.rmtree(self.run_dir / "code", ignore_errors=True)  # the package's copy: outputs go to artifacts
+
+    def _launch(self, *, job_dir: Path, code_dir: Path | None, scripts_dir: Path, entry_script: Path | None,
+                python: str) -> Outcome:
         plan = launch.render(
-            self.spec, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir, python=sys.executable,
+            self.spec, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir, python=python,
             data_dir=self.settings.data_dir, job_dir=job_dir,
             shutdown_grace_s=self.settings.cancel_grace_s,
             base_env=launch.default_env(), cpu_count=os.cpu_count() or 1,
@@ -96,9 +124,6 @@ class Supervisor:
         (job_dir / "OWNER").write_text(str(self.attempt))  # a stale attempt's ranks then write no checkpoint
         (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
         processes.become_subreaper()
-        with self.sessions() as db:
-            self.logs = LogShipper(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
-                                   max_bytes=self.settings.log_max_bytes)
         procs = processes.AttemptProcesses(self.tag)  # before torchrun: what exists now is not the attempt's
         # A session of its own, so a signal to the worker's terminal never reaches the ranks directly.
         proc = subprocess.Popen(
@@ -163,8 +188,56 @@ class Supervisor:
                 procs.stop(0)
             proc.stdout.close()
             shutil.rmtree(self.run_dir / "tmp", ignore_errors=True)
-            shutil.rmtree(self.run_dir / "code", ignore_errors=True)  # the package's copy: outputs go to artifacts
         return self._outcome(exit_code, stop_reason, killed)
+
+    def _requirements(self, code_dir: Path | None) -> list[str]:
+        """The job's requirement lines: the spec's list, or read from the file it names in the package."""
+        entrypoint = self.spec.entrypoint
+        if entrypoint is None or not entrypoint.requirements:
+            return []
+        if not self.settings.allow_pip:
+            raise launch.EntrypointRefused(ErrorType.ENTRYPOINT_DISABLED, "this worker does not install a job's "
+                                           "requirements; start it with TRAINJOBS_ALLOW_PIP=1 to allow them")
+        if isinstance(entrypoint.requirements, list):
+            return entrypoint.requirements
+        name = entrypoint.requirements
+        path = (code_dir / name).resolve() if code_dir is not None else None
+        if path is None or not path.is_relative_to(code_dir.resolve()) or not path.is_file():
+            raise environments.RequirementsFailed(f"entrypoint.requirements names {name!r}, which is not a file "
+                                                  "in the job's package")
+        lines = read_requirements(path.read_text(errors="replace"))
+        for number, line in enumerate(lines, 1):
+            if problem := requirement_problem(line):
+                raise environments.RequirementsFailed(f"{name}: requirement {number} {line!r}: {problem}")
+        return lines
+
+    def _build_env(self, requirements: list[str]) -> environments.Env:
+        """The job's environment (built, or this machine's, reused), shipping the log and holding the lease
+        meanwhile; BuildStopped once the attempt must stop (self._stop_reason() says why)."""
+        cache = environments.EnvCache(self.settings.data_dir / "envs", max_bytes=self.settings.env_cache_bytes)
+        shipped = time.monotonic()
+
+        def tick() -> bool:
+            nonlocal shipped
+            if time.monotonic() - shipped >= self.settings.poll_s:
+                self._ship(None)
+                shipped = time.monotonic()
+            return self._stop_reason() is not None
+
+        return cache.acquire(requirements, output=self.logs.stage, tick=tick, timeout_s=self.settings.pip_timeout_s,
+                             base_env=launch.default_env())
+
+    def _stop_reason(self) -> str | None:
+        """Why an attempt that has not launched its ranks yet must stop, if it must."""
+        if self.lease_lost:
+            return "lost"
+        if time.monotonic() > self._lease_ends:
+            return "lease_expired"
+        if self.cancel_requested:
+            return "cancelled"
+        if self.preempt_requests:
+            return "preempted"
+        return None
 
     def _unpack_package(self) -> Path | None:
         """The attempt's own copy of the job's package (from this machine's cache), or None without one.
@@ -206,14 +279,15 @@ class Supervisor:
             self._preempt_sent = now
         return False
 
-    def _ship(self, pump: OutputPump) -> Shipped:
+    def _ship(self, pump: OutputPump | None) -> Shipped:
         """Move new output and metrics to the database, renew the lease, read the cancel flag.
 
         Fenced (lifecycle.hold): once the sweeper has given the job to a new attempt (this worker was paused or
         cut off past its lease) nothing more is written for this one. What fails to commit is sent again by the
         next call: nothing is dropped.
         """
-        self.logs.stage(pump.take())
+        if pump is not None:
+            self.logs.stage(pump.take())
         asked = time.monotonic()
         renew = asked - self._renewed >= self.settings.heartbeat_s
         lease_s = self.settings.lease_s + self._lease_extra_s if renew else None
@@ -235,7 +309,7 @@ class Supervisor:
             log.exception("renewing the lease of job %s failed; will retry", self.job_id)
         return Shipped.REFUSED
 
-    def _drain(self, pump: OutputPump) -> None:
+    def _drain(self, pump: OutputPump | None) -> None:
         """The ranks are gone: ship until all they wrote is stored, however long the database is out of reach.
 
         The outcome is recorded after this, as late as it must be (agent.with_retries): a run that finished

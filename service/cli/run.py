@@ -14,7 +14,7 @@ from rich.console import Console
 
 from service.cli.follow import exit_code, follow, print_outcome
 from trainjobs.client import Client
-from trainjobs.spec import JobSpec
+from trainjobs.spec import JobSpec, read_requirements
 
 console = Console(markup=False)
 err = Console(stderr=True, markup=False)
@@ -51,6 +51,12 @@ def make_spec(args) -> dict:
         spec["timeout_s"] = args.timeout
     if args.tag:
         spec["tags"] = list(args.tag)
+    if args.requirements:
+        path = Path(args.requirements)
+        if not path.is_file():
+            raise ValueError(f"--requirements {path} is not a file")
+        if lines := read_requirements(path.read_text()):
+            spec["entrypoint"]["requirements"] = lines
     JobSpec.model_validate(spec)  # the API would refuse it: say so now, naming the field
     return spec
 
@@ -130,6 +136,8 @@ def register(sub) -> None:
     run.add_argument("--priority", choices=["high", "normal", "low"], default="normal")
     run.add_argument("--env", action="append", type=env_pair, metavar="NAME=VALUE", help="for every rank; repeat")
     run.add_argument("--tag", action="append", help="a free label, e.g. team=vision; repeat")
+    run.add_argument("--requirements", metavar="FILE", help="a requirements file: the worker installs it into a "
+                     "virtualenv on top of its own (cached per machine); its lines go into the spec")
     run.add_argument("--max-retries", type=int, default=0)
     run.add_argument("--timeout", type=float, metavar="SECONDS", help="timeout_s (default 3600)")
     run.add_argument("--dry-run", action="store_true", help="print the spec (and the package's digest); send nothing")

@@ -41,6 +41,7 @@ def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDe
         if spec.entrypoint is not None and spec.entrypoint.package is not None:  # the owner's own, or a 404
             packages.get(db, owner=owner, digest=spec.entrypoint.package, field="entrypoint.package")
         service.check_inputs(spec, data_dir=settings.data_dir)
+        worker_rows.check_pip(db, spec=spec, lost_after_s=settings.lease_s)
         workers = worker_rows.memory_for(db, spec=spec, lost_after_s=settings.lease_s)
         job, created = service.create_once(db, spec=spec, idempotency_key=idempotency_key, owner=owner,
                                            workers=workers)

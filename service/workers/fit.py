@@ -12,6 +12,9 @@ from typing import Any, Protocol
 from trainjobs.spec import JobSpec
 
 GiB = 2**30
+# The labels a worker sets itself (worker/inventory.py), never from TRAINJOBS_WORKER_LABELS.
+RESERVED_LABEL_PREFIX = "trainjobs.io/"
+PIP_LABEL = "trainjobs.io/pip"  # "true": it builds environments for entrypoint.requirements (TRAINJOBS_ALLOW_PIP)
 
 
 class Offer(Protocol):
@@ -30,6 +33,7 @@ class Need:
     memory_device: str | None  # the device kind the plan was made for
     labels: dict[str, str] = field(default_factory=dict)
     nodes: int = 1
+    pip: bool = False  # it asks for entrypoint.requirements
 
 
 def need_of(spec: JobSpec, plan: dict[str, Any] | None) -> Need:
@@ -40,7 +44,8 @@ def need_of(spec: JobSpec, plan: dict[str, Any] | None) -> Need:
     if estimate is not None and memory_device == "cpu":
         estimate *= res.nproc_per_node  # the plan is per rank; on a CPU host the ranks share one memory
     return Need(device=res.device, slots=res.nproc_per_node, memory_bytes=estimate, memory_device=memory_device,
-                labels=dict(res.selector), nodes=res.nnodes)
+                labels=dict(res.selector), nodes=res.nnodes,
+                pip=bool(spec.entrypoint is not None and spec.entrypoint.requirements))
 
 
 def misfit(need: Need, worker: Offer) -> str | None:
@@ -53,6 +58,8 @@ def misfit(need: Need, worker: Offer) -> str | None:
             and worker.memory_bytes < need.memory_bytes):
         return f"{worker.memory_bytes / GiB:.1f} GiB per device, needs {need.memory_bytes / GiB:.1f} GiB"
     labels = worker.labels or {}
+    if need.pip and labels.get(PIP_LABEL) != "true":
+        return "does not install requirements (TRAINJOBS_ALLOW_PIP)"
     missing = {k: v for k, v in need.labels.items() if str(labels.get(k)) != v}
     if missing:
         return "lacks label(s) " + ", ".join(f"{k}={v}" for k, v in sorted(missing.items()))

@@ -6,7 +6,9 @@ from sqlalchemy import case, delete, select, update
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
+from service.workers import fit
 from service.workers.models import Worker
+from trainjobs.errors import InvalidRequest
 from trainjobs.plan import WorkerMemory
 from trainjobs.spec import JobSpec
 
@@ -86,3 +88,17 @@ def memory_for(db: Session, *, spec: JobSpec, lost_after_s: float) -> list[Worke
     if spec.model is None or spec.resources.gpu_memory_gb:
         return []
     return live_memory(db, lost_after_s=lost_after_s)
+
+
+def check_pip(db: Session, *, spec: JobSpec, lost_after_s: float) -> None:
+    """A job with requirements needs a live worker that installs them (TRAINJOBS_ALLOW_PIP), else a 422 now.
+
+    Once accepted, it waits in the queue like any job no worker fits, with a pending_reason, should those
+    workers go away before it runs.
+    """
+    if not fit.need_of(spec, None).pip:
+        return
+    if not any((w.labels or {}).get(fit.PIP_LABEL) == "true" for w in live(db, lost_after_s=lost_after_s)):
+        raise InvalidRequest("no live worker installs a job's requirements: an operator starts one with "
+                             "TRAINJOBS_ALLOW_PIP=1 and TRAINJOBS_ALLOW_ENTRYPOINTS=1 (or ship the dependencies "
+                             "in the package, or drop entrypoint.requirements)", field="entrypoint.requirements")

@@ -1,0 +1,235 @@
+"""A job's own dependencies: one virtualenv per requirements list, layered on the worker's, built once per machine.
+
+<data_dir>/envs/<key>/, where key is the sha256 of the requirement lines (sorted), the worker's Python and its
+torch. The env is made --system-site-packages --without-pip, and a .pth file in it adds the worker's own
+site-packages after its own (site.addsitedir, so the worker's editable installs count too): a job sees its own
+packages first, then the worker's (torch, numpy, trainjobs), then the system's. pip is the worker's, run by the
+env's Python so that it installs into the env, with a constraint that pins torch to the worker's version: a
+requirement that would replace torch fails instead of downloading another build.
+
+Locks (flock on <key>.lock): a build holds it exclusive; an attempt that runs in the env holds it shared until
+it ends, so evicting (exclusive, never waiting) never removes an env in use. An env is complete once its
+READY file exists; an incomplete one found under the exclusive lock is a build that died: removed, built again.
+"""
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import venv
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from worker.shipping import OutputPump
+
+log = logging.getLogger(__name__)
+READY = ".trainjobs-ready"
+EVICT_GRACE_S = 300.0
+POLL_S = 0.2
+
+
+class RequirementsFailed(Exception):
+    """pip could not install the job's requirements (or they cannot be read): the job fails, not retried."""
+
+
+class BuildStopped(Exception):
+    """The attempt was stopped (cancel, lost lease, shutdown) while it waited for or ran pip."""
+
+
+def torch_version() -> str | None:
+    try:
+        return metadata.version("torch")  # without importing it: the worker process never loads torch
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def env_key(requirements: list[str]) -> str:
+    """Same requirements on the same worker Python and torch: the same env."""
+    basis = {"requirements": sorted(r.strip() for r in requirements), "python": sys.version,
+             "executable": sys.executable, "platform": platform.platform(), "torch": torch_version()}
+    return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class Env:
+    """A ready environment, held (shared lock) until release()."""
+
+    key: str
+    path: Path
+    reused: bool
+    _lock_fd: int
+
+    @property
+    def python(self) -> str:
+        return str(self.path / "bin" / "python")
+
+    def release(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # drops the flock
+            self._lock_fd = -1
+
+
+class EnvCache:
+    def __init__(self, root: Path, *, max_bytes: int):
+        self.root, self.max_bytes = root, max_bytes
+
+    def acquire(self, requirements: list[str], *, output: Callable[[bytes], object], tick: Callable[[], bool],
+                timeout_s: float, base_env: dict[str, str]) -> Env:
+        """The env for `requirements`, built if this machine has none; held until Env.release().
+
+        `output` receives what to show in the attempt's log (pip's own output among it); `tick` is called at least
+        every POLL_S while waiting or building and returns True when the attempt must stop (BuildStopped).
+        """
+        key = env_key(requirements)
+        self.root.mkdir(parents=True, exist_ok=True)
+        path, fd = self.root / key, os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            waited = False
+            while True:
+                if _try_lock(fd, fcntl.LOCK_SH) and (path / READY).is_file():
+                    (self.root / f"{key}.used").touch()
+                    output(f"[trainjobs] requirements: reusing environment {key[:12]} on this machine "
+                           f"({len(requirements)} requirement(s)); nothing to install\n".encode())
+                    return Env(key, path, reused=True, _lock_fd=fd)
+                if _try_lock(fd, fcntl.LOCK_EX):
+                    if (path / READY).is_file():  # built meanwhile by the attempt we waited for
+                        continue
+                    self._build(key, path, requirements, output=output, tick=tick, timeout_s=timeout_s,
+                                base_env=base_env)
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # EX → SH: others may use it now
+                    self.evict(keep=key)
+                    return Env(key, path, reused=False, _lock_fd=fd)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                if not waited:
+                    output(f"[trainjobs] requirements: waiting for another job that is building environment "
+                           f"{key[:12]} on this machine\n".encode())
+                    waited = True
+                if tick():
+                    raise BuildStopped("stopped while waiting for the environment")
+                time.sleep(POLL_S)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _build(self, key: str, path: Path, requirements: list[str], *, output, tick, timeout_s: float,
+               base_env: dict[str, str]) -> None:
+        shutil.rmtree(path, ignore_errors=True)  # an earlier build that died half-way
+        started = time.monotonic()
+        output(f"[trainjobs] requirements: building environment {key[:12]} on this machine: "
+               f"{', '.join(requirements)}\n".encode())
+        venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(path)
+        site_packages = Path(sysconfig.get_path("purelib", vars={"base": str(path), "platbase": str(path)}))
+        ours = dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")])
+        (site_packages / "_trainjobs_worker.pth").write_text(  # after the env's own: the job's versions win
+            "".join(f"import site; site.addsitedir({d!r})\n" for d in ours))
+        (path / "requirements.txt").write_text("\n".join(requirements) + "\n")
+        constraints = path / "constraints.txt"
+        constraints.write_text(f"torch=={v}\n" if (v := torch_version()) else "")
+        argv = [str(path / "bin" / "python"), "-m", "pip", "install", "--no-input", "--disable-pip-version-check",
+                "--progress-bar", "off", "-c", str(constraints), "-r", str(path / "requirements.txt")]
+        env = {**base_env, "PYTHONUNBUFFERED": "1", "PIP_NO_INPUT": "1"}
+        env.pop("PYTHONPATH", None)
+        proc = subprocess.Popen(argv, env=env, cwd=path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        pump, tail = OutputPump(proc.stdout.fileno()), b""
+        try:
+            while (code := proc.poll()) is None:
+                data = pump.take()
+                tail = (tail + data)[-8192:]
+                output(data)
+                if tick():
+                    _stop(proc)
+                    raise BuildStopped("stopped while pip installed the requirements")
+                if time.monotonic() - started > timeout_s:
+                    _stop(proc)
+                    raise RequirementsFailed(f"installing the requirements ran past {timeout_s:g}s "
+                                             "(TRAINJOBS_PIP_TIMEOUT_S) and was stopped")
+                time.sleep(POLL_S)
+            pump.wait_closed(5.0, POLL_S, lambda: None)
+            data = pump.take()
+            tail = (tail + data)[-8192:]
+            output(data)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        finally:
+            proc.stdout.close()
+        if code != 0:
+            shutil.rmtree(path, ignore_errors=True)
+            raise RequirementsFailed(f"pip could not install the requirements (exit {code}): {pip_error(tail)}")
+        size = sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() or p.is_symlink())
+        (self.root / f"{key}.bytes").write_text(str(size))
+        (self.root / f"{key}.used").touch()
+        (path / READY).write_text(f"{time.time()}\n")
+        output(f"[trainjobs] requirements: environment {key[:12]} ready in {time.monotonic() - started:.1f}s\n"
+               .encode())
+
+    def evict(self, keep: str | None = None) -> list[str]:
+        """Drop the least recently used envs no attempt holds until the cache fits its limit."""
+        entries = []
+        for used in self.root.glob("*.used"):
+            key = used.name.removesuffix(".used")
+            try:
+                entries.append((used.stat().st_mtime, key, int((self.root / f"{key}.bytes").read_text())))
+            except (OSError, ValueError):
+                continue
+        total, now, gone = sum(e[2] for e in entries), time.time(), []
+        for mtime, key, size in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if key == keep or now - mtime < EVICT_GRACE_S:
+                continue
+            fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if not _try_lock(fd, fcntl.LOCK_EX):
+                    continue  # a running attempt holds it
+                for suffix in (".used", ".bytes"):
+                    (self.root / f"{key}{suffix}").unlink(missing_ok=True)
+                shutil.rmtree(self.root / key, ignore_errors=True)
+            finally:
+                os.close(fd)
+            total -= size
+            gone.append(key)
+        if gone:
+            log.info("environment cache over %d bytes: evicted %s", self.max_bytes, gone)
+        return gone
+
+
+def pip_error(output: bytes) -> str:
+    """pip's own words: its ERROR lines, else the end of its output."""
+    text = output.decode(errors="replace")
+    errors = [line.strip() for line in text.splitlines() if line.startswith("ERROR:")]
+    return "\n".join(errors)[-2000:] if errors else text.strip()[-2000:]
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """pip and whatever it started (a build backend): SIGTERM to its session, then SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
