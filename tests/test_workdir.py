@@ -122,9 +122,11 @@ def test_the_sdk_uploads_submits_waits_and_reads_the_metrics(stack, tmp_path, mo
         assert c.last_upload is not None and c.last_upload.digest == digest
         assert c.upload_package(folder) == digest and c.last_upload is None  # the second time: nothing sent
         spec = {"name": "sdk", "resources": {"nproc_per_node": 2},
-                "entrypoint": {"package": digest, "script": "train.py", "args": ["--steps", "5"]},
-                "env": {"MY_RUN": "sdk"}}
-        job = c.wait(c.submit(spec)["id"], timeout=180)
+                "entrypoint": {"script": "train.py", "args": ["--steps", "5"]}, "env": {"MY_RUN": "sdk"}}
+        submitted = c.submit(spec, workdir=folder)  # packs, finds it already uploaded, submits
+        assert submitted["spec"]["entrypoint"]["package"] == digest and c.last_upload is None
+        assert "package" not in spec["entrypoint"]  # the caller's dict is left as it was
+        job = c.wait(submitted["id"], timeout=180)
         assert job["status"] == "succeeded", job["error"]
         [loss] = c.metrics(job["id"], name="loss")["series"]
         assert loss["steps"] == [1, 2, 3, 4, 5]

@@ -134,8 +134,16 @@ class Client:
     def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
         return raise_for_status(self.http.request(method, path, **kwargs))
 
-    def submit(self, spec: dict, *, attempts: int = 3) -> dict:
-        """Submit once, even if the connection drops: every retry carries the same Idempotency-Key."""
+    def submit(self, spec: dict, *, workdir: str | os.PathLike | None = None, attempts: int = 3) -> dict:
+        """Submit once, even if the connection drops: every retry carries the same Idempotency-Key.
+
+        With `workdir`, the folder is packed and uploaded first (only if the API does not hold it yet) and the
+        spec's entrypoint runs in it: `entrypoint.script` is relative to it.
+        """
+        if workdir is not None:
+            if not isinstance(spec.get("entrypoint"), dict):
+                raise ValueError("submit(workdir=...) ships code for an entrypoint: the spec needs 'entrypoint'")
+            spec = {**spec, "entrypoint": {**spec["entrypoint"], "package": self.upload_package(workdir)}}
         headers = {"Idempotency-Key": f"cli-{uuid.uuid4()}"}
         for attempt in range(1, attempts + 1):
             try:
