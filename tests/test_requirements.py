@@ -2,6 +2,7 @@
 virtualenv on top of its own, once per machine, and reuses it; pip's failure is the job's, not retried; a
 cancel stops pip. The registry package is tomli-w (tiny, pure Python, not among the worker's packages)."""
 
+import fcntl
 import http.server
 import json
 import os
@@ -19,7 +20,8 @@ import pytest
 from tests.helpers import count_jobs, live_stack, wait_for, wait_terminal
 from trainjobs import Client
 from trainjobs.spec import JobSpec, read_requirements
-from worker import inventory
+from worker import environments, inventory
+from worker import packages as worker_packages
 
 SCRIPT = '''\
 import os, sys
@@ -181,3 +183,20 @@ def test_requirements_files_are_read_as_pip_reads_them():
     assert read_requirements(text) == ["tomli-w==1.0.0", "numpy>=1.26  ,<3"]
     spec = JobSpec.model_validate({"entrypoint": {"script": "t.py", "requirements": read_requirements(text)}})
     assert spec.entrypoint.requirements == ["tomli-w==1.0.0", "numpy>=1.26  ,<3"]
+
+
+def test_an_environment_an_attempt_holds_is_never_evicted(tmp_path, monkeypatch):
+    monkeypatch.setattr(worker_packages, "EVICT_GRACE_S", 0.0)
+    cache = environments.EnvCache(tmp_path, max_bytes=0)
+    for key in ("held", "idle"):
+        (tmp_path / key).mkdir()
+        (tmp_path / f"{key}.bytes").write_text("100")
+        (tmp_path / f"{key}.used").touch()
+    fd = os.open(tmp_path / "held.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # as a running attempt's Env does until release()
+    try:
+        assert cache.evict() == ["idle"]
+    finally:
+        os.close(fd)
+    assert (tmp_path / "held").is_dir() and not (tmp_path / "idle").exists()
+    assert cache.evict() == ["held"] and not (tmp_path / "held").exists()

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from worker.packages import evict_lru
 from worker.shipping import OutputPump
 
 log = logging.getLogger(__name__)
 READY = ".trainjobs-ready"
-EVICT_GRACE_S = 300.0
 POLL_S = 0.2
 
 
@@ -176,33 +176,20 @@ class EnvCache:
 
     def evict(self, keep: str | None = None) -> list[str]:
         """Drop the least recently used envs no attempt holds until the cache fits its limit."""
-        entries = []
-        for used in self.root.glob("*.used"):
-            key = used.name.removesuffix(".used")
-            try:
-                entries.append((used.stat().st_mtime, key, int((self.root / f"{key}.bytes").read_text())))
-            except (OSError, ValueError):
-                continue
-        total, now, gone = sum(e[2] for e in entries), time.time(), []
-        for mtime, key, size in sorted(entries):
-            if total <= self.max_bytes:
-                break
-            if key == keep or now - mtime < EVICT_GRACE_S:
-                continue
-            fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                if not _try_lock(fd, fcntl.LOCK_EX):
-                    continue  # a running attempt holds it
-                for suffix in (".used", ".bytes"):
-                    (self.root / f"{key}{suffix}").unlink(missing_ok=True)
-                shutil.rmtree(self.root / key, ignore_errors=True)
-            finally:
-                os.close(fd)
-            total -= size
-            gone.append(key)
+        gone = evict_lru(self.root, max_bytes=self.max_bytes, keep=keep, remove=self._remove)
         if gone:
             log.info("environment cache over %d bytes: evicted %s", self.max_bytes, gone)
         return gone
+
+    def _remove(self, key: str) -> bool:
+        fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                return False  # a running attempt holds it
+            shutil.rmtree(self.root / key, ignore_errors=True)
+            return True
+        finally:
+            os.close(fd)
 
 
 def pip_error(output: bytes) -> str:

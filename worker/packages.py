@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from trainjobs.packing import UnsafeArchive, unpack
@@ -54,33 +55,43 @@ class PackageCache:
 
     def evict(self, keep: str | None = None) -> list[str]:
         """Drop the least recently used entries until the cache fits its limit; returns what went."""
-        entries = []
-        for used in self.root.glob("*.used"):
-            name = used.name.removesuffix(".used")
-            try:
-                size = int((self.root / f"{name}.bytes").read_text())
-                entries.append((used.stat().st_mtime, name, size))
-            except (OSError, ValueError):
-                continue
-        total, now, gone = sum(e[2] for e in entries), time.time(), []
-        for mtime, name, size in sorted(entries):
-            if total <= self.max_bytes:
-                break
-            if name == keep or now - mtime < EVICT_GRACE_S:
-                continue
-            doomed = self.root / f".evict-{name}-{os.urandom(4).hex()}"
-            try:
-                os.rename(self.root / name, doomed)  # out of sight at once, then removed
-            except OSError:
-                continue
-            for suffix in (".used", ".bytes"):
-                (self.root / f"{name}{suffix}").unlink(missing_ok=True)
-            shutil.rmtree(doomed, ignore_errors=True)
-            total -= size
-            gone.append(name)
+        gone = evict_lru(self.root, max_bytes=self.max_bytes, keep=keep, remove=self._remove)
         if gone:
             log.info("package cache over %d bytes: evicted %s", self.max_bytes, gone)
         return gone
+
+    def _remove(self, name: str) -> bool:
+        doomed = self.root / f".evict-{name}-{os.urandom(4).hex()}"
+        try:
+            os.rename(self.root / name, doomed)  # out of sight at once, then removed
+        except OSError:
+            return False
+        shutil.rmtree(doomed, ignore_errors=True)
+        return True
+
+
+def evict_lru(root: Path, *, max_bytes: int, keep: str | None, remove: Callable[[str], bool]) -> list[str]:
+    """A cache folder of <name>/ entries, each with <name>.used (its mtime: the last use) and <name>.bytes (its
+    size): remove(name) the least recently used until the total fits max_bytes, never `keep` nor one used in
+    the last EVICT_GRACE_S; remove() says False for one it may not remove now. Returns the names removed."""
+    entries = []
+    for used in root.glob("*.used"):
+        name = used.name.removesuffix(".used")
+        try:
+            entries.append((used.stat().st_mtime, name, int((root / f"{name}.bytes").read_text())))
+        except (OSError, ValueError):
+            continue
+    total, now, gone = sum(e[2] for e in entries), time.time(), []
+    for mtime, name, size in sorted(entries):
+        if total <= max_bytes:
+            break
+        if name == keep or now - mtime < EVICT_GRACE_S or not remove(name):
+            continue
+        for suffix in (".used", ".bytes"):
+            (root / f"{name}{suffix}").unlink(missing_ok=True)
+        total -= size
+        gone.append(name)
+    return gone
 
 
 def materialize(cache: PackageCache, *, digest: str, archive: Path, dest: Path) -> None:
