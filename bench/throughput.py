@@ -84,6 +84,35 @@ def run_bare_script(seconds: float) -> float:
     return loop_rate(done.stdout)
 
 
+def run_as_worker_launches(seconds: float) -> float:
+    """The same script under the very command line, environment, session and output pipe the worker gives it
+    (worker/launch.render, start_new_session, prepare_torchrun), without the service running: it separates
+    what the launch costs from what the service's own processes cost."""
+    from trainjobs.spec import JobSpec
+    from worker import launch, processes
+    from worker.shipping import OutputPump
+
+    spec = JobSpec.model_validate({"resources": {"nproc_per_node": 2, "device": "cpu"}, "entrypoint": {
+        "script": "ddp_loop.py", "args": ["--seconds", str(seconds)]}})
+    with tempfile.TemporaryDirectory(prefix="trainjobs-launch-") as tmp:
+        run_dir = Path(tmp)
+        (run_dir / "tmp").mkdir()
+        plan = launch.render(spec, job_id="0" * 20, attempt=1, run_dir=run_dir, python=sys.executable,
+                             data_dir=run_dir, job_dir=run_dir / "job", shutdown_grace_s=10,
+                             base_env=launch.default_env(), cpu_count=os.cpu_count() or 1, scripts_dir=SCRIPTS,
+                             entry_script=SCRIPTS / "ddp_loop.py")
+        proc = subprocess.Popen(plan.argv, env=plan.env, cwd=run_dir, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=processes.prepare_torchrun)
+        pump, output = OutputPump(proc.stdout.fileno()), b""
+        while proc.poll() is None:  # as the supervisor reads it: a thread, taken every poll_s
+            output += pump.take()
+            time.sleep(0.5)
+        pump.wait_closed(5, 0.5, lambda: None)
+        proc.stdout.close()
+        return loop_rate((output + pump.take()).decode(errors="replace"))
+
+
 def run_service_script(api, seconds: float) -> float:
     """The same script as an entrypoint job (the worker's scripts dir is bench/scripts): steps/s from its log."""
     spec = {"name": "bench-entrypoint", "resources": {"nproc_per_node": 2, "device": "cpu"},
@@ -94,16 +123,24 @@ def run_service_script(api, seconds: float) -> float:
 
 
 def entrypoint_rounds(api, rounds: int, seconds: float) -> None:
-    ratios = []
+    """Three ways per round, in a rotating order: bare torchrun, the worker's launch alone, the service."""
+    arms = {"bare": run_bare_script, "launch": run_as_worker_launches,
+            "service": lambda s: run_service_script(api, s)}
+    rates = {name: [] for name in arms}
     for i in range(rounds):
-        if i % 2 == 0:
-            bare, svc = run_bare_script(seconds), run_service_script(api, seconds)
-        else:
-            svc, bare = run_service_script(api, seconds), run_bare_script(seconds)
-        ratios.append(svc / bare)
-        print(f"entrypoint round {i + 1}: bare {bare:.1f} steps/s, service {svc:.1f} steps/s, ratio {ratios[-1]:.3f}")
-    print(f"a user's DDP script, service / bare torchrun: median {statistics.median(ratios):.3f} "
-          f"(min {min(ratios):.3f}, max {max(ratios):.3f}) over {rounds} rounds of {seconds:g} s; goal >= 0.97")
+        order = list(arms)[i % 3:] + list(arms)[: i % 3]
+        for name in order:
+            rates[name].append(arms[name](seconds))
+        print(f"entrypoint round {i + 1} ({' → '.join(order)}): " + ", ".join(
+            f"{name} {rates[name][-1]:.1f}" for name in arms) + " steps/s")
+    for name in ("service", "launch"):
+        ratios = [a / b for a, b in zip(rates[name], rates["bare"], strict=True)]
+        print(f"a user's DDP script, {name} / bare torchrun: median {statistics.median(ratios):.3f} "
+              f"(min {min(ratios):.3f}, max {max(ratios):.3f}) over {rounds} rounds of {seconds:g} s"
+              + ("; goal >= 0.97" if name == "service" else ""))
+    ratios = [a / b for a, b in zip(rates["service"], rates["launch"], strict=True)]
+    print(f"service / the worker's launch alone (what the running service costs): median "
+          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
 
 
 def main() -> None:
