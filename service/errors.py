@@ -6,7 +6,7 @@ from pydantic import BaseModel, Field
 
 from trainjobs.errors import InvalidRequest, NotFound, TrainjobsError
 
-__all__ = ["ArtifactNotFound", "ErrorPublic", "Forbidden", "IdempotencyConflict", "InvalidRequest",
+__all__ = ["ArtifactNotFound", "ErrorPublic", "Forbidden", "GatewayTimeout", "IdempotencyConflict", "InvalidRequest",
            "InvalidTransition", "JobNotFound", "NotFound", "TrainjobsError", "responses"]
 
 
@@ -39,6 +39,12 @@ class Forbidden(TrainjobsError):
     status_code = 403
 
 
+class GatewayTimeout(TrainjobsError):
+    """A worker did not answer in time (the request stays on record; its answer may come later)."""
+
+    status_code = 504
+
+
 class ErrorPublic(BaseModel):
     """Every error this API raises on purpose: what went wrong, and the field (or header) at fault."""
 
@@ -56,6 +62,7 @@ DESCRIPTIONS = {
     413: "request body too large",
     422: "invalid input; `field` or the detail's `loc` names it",
     429: "too many submissions or the owner's quota is full (Retry-After)",
+    504: "a worker did not answer in time",
 }
 
 

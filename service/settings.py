@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     lease_s: float = Field(10.0, gt=0, description="how long an attempt's lease lasts without renewal")
     heartbeat_s: float = Field(2.0, gt=0, description="how often a running attempt renews its lease")
     log_max_bytes: int = Field(16 * 2**20, ge=1024, description="log bytes kept per job")
+    # Hang detection (a job's spec.hang overrides each): no new step (or, before the first, no new output)
+    # for max(hang_min_s, hang_factor × the median step time) is a hang.
+    hang_min_s: float = Field(300.0, gt=0)
+    hang_factor: float = Field(10.0, ge=1)
+    hang_startup_s: float = Field(600.0, gt=0, description="the bound before the ranks' first output or step")
+    hang_action: Literal["retry", "fail", "report"] = "retry"
     # Sweeper inside the API: re-enqueues queued jobs that Redis lost.
     reconcile_s: float = Field(30.0, gt=0)
     # ... and finds expired leases (lost workers) and retries whose backoff is over, this often.

@@ -170,6 +170,13 @@ class Client:
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel").json()
 
+    def attempts(self, job_id: str) -> dict:
+        return self._call("GET", f"/v1/jobs/{job_id}/attempts").json()
+
+    def stacks(self, job_id: str) -> dict:
+        """Every rank's stack of a running job, without stopping it: {"data": [attempt nodes with "stacks"]}."""
+        return self._call("POST", f"/v1/jobs/{job_id}/stacks", timeout=max(self.http.timeout.read or 0, 30)).json()
+
     def metrics(self, job_id: str, name: str | None = None, node_rank: int = 0) -> dict:
         params = {"node_rank": node_rank} | ({"name": name} if name else {})
         return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params).json()

@@ -179,12 +179,34 @@ class TrainConfig(_Strict):
 
 
 class FaultInjection(_Strict):
-    """Make one rank raise at a step: to test failure handling, alerting and retries."""
+    """Make one rank raise (or block forever) at a step: to test failure handling, hang detection and retries."""
 
-    raise_at_step: int = Field(ge=0, le=100_000_000)
+    raise_at_step: int | None = Field(None, ge=0, le=100_000_000)
+    hang_at_step: int | None = Field(None, ge=0, le=100_000_000, description="the rank sleeps forever there")
     rank: int = Field(0, ge=0, le=65_535)
     message: str = Field("injected fault", max_length=500)
     attempt: int | None = Field(1, ge=1, le=11, description="only on this attempt (null: on every attempt)")
+
+    @model_validator(mode="after")
+    def _one_fault(self):
+        if (self.raise_at_step is None) == (self.hang_at_step is None):
+            raise ValueError("fault_injection needs exactly one of 'raise_at_step' or 'hang_at_step'")
+        return self
+
+
+class HangConfig(_Strict):
+    """When a job that stopped making progress is hung, and what then (unset: the worker's defaults)."""
+
+    min_s: float | None = Field(None, gt=0, le=7 * 24 * 3600, description="never hung sooner than this "
+                                "(default TRAINJOBS_HANG_MIN_S, 300)")
+    factor: float | None = Field(None, ge=1, le=10_000, description="hung after this many median step times "
+                                 "without a step, if that is longer than min_s (default TRAINJOBS_HANG_FACTOR, 10)")
+    startup_s: float | None = Field(None, gt=0, le=7 * 24 * 3600, description="before the ranks' first output or "
+                                    "step (imports, rendezvous) the bound is at least this (default "
+                                    "TRAINJOBS_HANG_STARTUP_S, 600)")
+    action: Literal["retry", "fail", "report"] | None = Field(
+        None, description="retry: a new attempt from the last checkpoint (a second hang fails the job); fail; "
+        "report: keep running, record the stacks and an event (default TRAINJOBS_HANG_ACTION, retry)")
 
 
 class Entrypoint(_Strict):
@@ -250,6 +272,7 @@ class JobSpec(_Strict):
     timeout_s: float = Field(3600, gt=0, le=7 * 24 * 3600)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     fault_injection: FaultInjection | None = None
+    hang: HangConfig = Field(default_factory=HangConfig)
     env: dict[EnvName, EnvValue] = Field(
         default_factory=dict, max_length=ENV_MAX_VARS,
         description="environment variables for every rank (not secrets: anyone who can read the job sees them)")

@@ -1,14 +1,17 @@
 """Launch torchrun for one attempt and watch it: ship output and metrics, honour cancel and timeout."""
 
+import collections
 import enum
 import logging
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -20,7 +23,7 @@ from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType, JobStatus
-from worker import environments, launch, packages, processes
+from worker import environments, launch, packages, processes, stacks
 from worker.root_cause import root_cause
 from worker.shipping import LogShipper, MetricTail, OutputPump, sanitized_note
 
@@ -67,6 +70,22 @@ class Supervisor:
         self.preempt_requests = 0  # the worker is shutting down: 1 = checkpoint and hand back, 2 = stop now
         self._preempt_since: float | None = None
         self._preempt_sent = -float("inf")
+        # Hang detection (spec.hang, else the settings): when the job last showed progress, and how long a step takes.
+        hang = spec.hang
+        self.hang_min_s = hang.min_s if hang.min_s is not None else settings.hang_min_s
+        self.hang_factor = hang.factor if hang.factor is not None else settings.hang_factor
+        self.hang_startup_s = hang.startup_s if hang.startup_s is not None else settings.hang_startup_s
+        self.hang_action = hang.action or settings.hang_action
+        self.hang_message: str | None = None
+        self._hang_reported = False
+        self._active_at = self._launched_at = time.monotonic()  # a new step (or, before the first, new output)
+        self._output_at = -float("inf")
+        self._step_seen = 0
+        self._step_times: collections.deque[float] = collections.deque(maxlen=64)
+        self._stacks_pending: dict | None = None  # a dump not yet stored on the attempt
+        self._stacks_asked: datetime | None = None  # the job's stacks_requested_at, as last read
+        self._stacks_served: datetime | None = None
+        self._stacks_read = False  # a request older than this attempt's first renewal is not for it
 
     def run(self) -> Outcome:
         scripts_dir = self.settings.resolved_scripts_dir
@@ -132,6 +151,7 @@ class Supervisor:
         )
         procs.root_pid = proc.pid
         pump = OutputPump(proc.stdout.fileno())
+        self._active_at = self._launched_at = time.monotonic()  # an environment build was no part of the run
         try:
             moved = self.gang is not None  # a gang turned running when it formed (worker/gang.py)
             with self.sessions() as db:
@@ -159,6 +179,8 @@ class Supervisor:
                         stop_reason = "timeout"
                     elif self._preempt_past_grace(proc.pid):
                         stop_reason = "preempted"
+                    elif self._watch(proc.pid):
+                        stop_reason = "hung"
                 if stop_reason is not None:
                     if stop_reason not in ("lost", "lease_expired"):
                         # stop_all blocks through the grace period: hold the lease past it, so a slow-dying
@@ -255,6 +277,44 @@ class Supervisor:
                              archive=package_file(self.settings.resolved_storage_dir, entrypoint.package))
         return code_dir
 
+    def _watch(self, torchrun_pid: int) -> bool:
+        """Hang detection, and the stacks a user asked for; True when the ranks are hung and must stop.
+
+        Progress is a new step; before a job's first step (a script that reports nothing), new output. No progress
+        for max(min_s, factor × the median step time) is a hang (before the first output or step, while the
+        ranks import and meet, at least startup_s): every rank's stack is taken (worker/stacks.py) and stored on
+        the attempt, then hang.action applies (report: an event, once per hang, and go on).
+        """
+        now = time.monotonic()
+        if self.metrics.last_step != self._step_seen:
+            self._step_seen, self._active_at, self._hang_reported = self.metrics.last_step, now, False
+            if self.metrics.last_step_time_s:
+                self._step_times.append(self.metrics.last_step_time_s)
+        elif self._step_seen == 0 and self._output_at > self._active_at:
+            self._active_at, self._hang_reported = self._output_at, False
+        if self._stacks_asked is not None and self._stacks_asked != self._stacks_served:
+            self._stacks_served = self._stacks_asked
+            self._stacks_pending = {**stacks.dump(torchrun_pid, reason="requested"),
+                                    "requested_at": self._stacks_asked.isoformat()}
+        silent = now - self._active_at
+        bound = max(self.hang_min_s, self.hang_factor * statistics.median(self._step_times)
+                    if self._step_times else 0.0)
+        if self._step_seen == 0 and self._output_at < self._launched_at:
+            bound = max(bound, self.hang_startup_s)
+        if silent < bound or self._hang_reported:
+            return False
+        dump = stacks.dump(torchrun_pid, reason="hang")
+        what = f"no new step for {silent:.0f}s after step {self._step_seen}" if self._step_seen else \
+            f"no step reported and no output for {silent:.0f}s"
+        self.hang_message = f"hung: {what} (bound {bound:.0f}s): {stacks.summary(dump)}"
+        self._stacks_pending = {**dump, "message": self.hang_message}
+        log.error("job %s: %s; action %s", self.job_id, self.hang_message, self.hang_action)
+        if self.hang_action == "report":
+            self._hang_reported = True
+            self._ship(None)
+            return False
+        return True
+
     def preempt(self) -> None:
         """The worker is shutting down: checkpoint and hand the job back; a second call stops it now.
 
@@ -286,15 +346,19 @@ class Supervisor:
         cut off past its lease) nothing more is written for this one. What fails to commit is sent again by the
         next call: nothing is dropped.
         """
-        if pump is not None:
-            self.logs.stage(pump.take())
+        if pump is not None and (output := pump.take()):
+            self.logs.stage(output)
+            self._output_at = time.monotonic()
         asked = time.monotonic()
         renew = asked - self._renewed >= self.settings.heartbeat_s
         lease_s = self.settings.lease_s + self._lease_extra_s if renew else None
         try:
+            pending = self._stacks_pending
             if self._hold(asked, lease_s, write=self._write):
                 self.logs.committed()
                 self.metrics.committed()
+                if pending is self._stacks_pending:
+                    self._stacks_pending = None
             return Shipped.STORED
         except UNREACHABLE as exc:  # no lease alone either: it would wait as long again (run() stops the ranks
             # once the lease runs out unrenewed)
@@ -341,12 +405,18 @@ class Supervisor:
         if lease_s is not None:  # counted from before the request: the database's lease ends no earlier
             self._renewed, self._lease_ends = time.monotonic(), asked + lease_s
         self.cancel_requested = held.cancel_requested
+        self._stacks_asked = held.stacks_requested_at
+        if not self._stacks_read:
+            self._stacks_served, self._stacks_read = held.stacks_requested_at, True
         return True
 
     def _write(self, db: Session, held: lifecycle.Held) -> None:
         """This attempt's new output, metric points, resume step and progress."""
         self.logs.write(db)
         self.metrics.write(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
+        if self._stacks_pending is not None:
+            lifecycle.record_stacks(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
+                                    stacks=self._stacks_pending)
         if self.metrics.resumed_from_step is not None:
             lifecycle.record_resume(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
                                     step=self.metrics.resumed_from_step)
@@ -371,6 +441,10 @@ class Supervisor:
         if stop_reason == "timeout":
             error = {"type": ErrorType.TIMEOUT, "message": f"job ran past timeout_s={self.spec.timeout_s:g}",
                      "rank": None, "exit_code": exit_code}
+            return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
+        if stop_reason == "hung":
+            error = {"type": ErrorType.HANG, "message": self.hang_message, "rank": None, "exit_code": exit_code,
+                     "final": self.hang_action == "fail"}
             return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
         if stop_reason == "lost":
             error = {"type": ErrorType.ATTEMPT_LOST, "message": "another attempt or a cancel took the job",

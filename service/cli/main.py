@@ -74,6 +74,28 @@ def cmd_status(args, client: Client) -> int:
     console.print(tables.job_table(job))
     if job["status"] in TERMINAL:
         print_outcome(job, console)
+    for node in client.attempts(args.job_id)["data"]:
+        if node["number"] == job["attempt"] and node["stacks"]:
+            print_stacks(node, full=False)
+    return 0
+
+
+def print_stacks(node: dict, *, full: bool) -> None:
+    stacks = node["stacks"]
+    console.print(f"stacks of attempt {node['number']}, node {node['node_rank']} ({stacks['reason']}, "
+                  f"{stacks['taken_at']}):")
+    for rank in stacks["ranks"]:
+        console.print(f"  rank {rank['rank']} (pid {rank['pid']}): {rank['where']}")
+        if full:
+            console.print("    " + rank["text"].rstrip().replace("\n", "\n    "))
+
+
+def cmd_stacks(args, client: Client) -> int:
+    answer = client.stacks(args.job_id)
+    if args.json:
+        return print_json(answer)
+    for node in answer["data"]:
+        print_stacks(node, full=True)
     return 0
 
 
@@ -225,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("job_id")
         p.set_defaults(remote=fn)
         p.add_argument("--json", action="store_true", help="the job as the API returns it")
+    stacks = sub.add_parser("stacks", help="every rank's stack of a running job, without stopping it (py-spy)")
+    stacks.add_argument("job_id")
+    stacks.add_argument("--json", action="store_true", help="the attempt's nodes as the API returns them")
+    stacks.set_defaults(remote=cmd_stacks)
     ls = sub.add_parser("list", help="recent jobs, newest first")
     ls.add_argument("--status", choices=[s.value for s in JobStatus])
     ls.add_argument("--limit", type=int, default=20)

@@ -261,6 +261,7 @@ class Held:
 
     cancel_requested: bool
     progress_step: int  # the job's progress as stored (a gang's nodes move it in turn)
+    stacks_requested_at: datetime | None = None  # POST /v1/jobs/{id}/stacks: the latest request
 
 
 def hold(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: float | None) -> Held | None:
@@ -270,13 +271,30 @@ def hold(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: flo
     sweeper has given the job to a newer attempt (this worker was paused or cut off past its lease),
     nothing more is written for this one. On None the caller rolls back.
     """
-    job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at, Job.progress)
+    job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at, Job.progress, Job.stacks_requested_at)
                      .where(Job.id == job_id).with_for_update()).one_or_none()
     renewed = renew_lease(db, job_id=job_id, attempt=attempt, node_rank=node_rank, lease_s=lease_s)
     if job is None or job.attempt != attempt or job.status not in LIVE or not renewed:
         return None
     return Held(cancel_requested=job.cancel_requested_at is not None,
-                progress_step=(job.progress or {}).get("step") or 0)
+                progress_step=(job.progress or {}).get("step") or 0, stacks_requested_at=job.stacks_requested_at)
+
+
+def record_stacks(db: Session, *, job_id: str, attempt: int, node_rank: int, stacks: dict) -> None:
+    """The ranks' stacks (a hang's, or asked for) on this node's attempt; a hang is an event of the job too."""
+    db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt,
+                                     Attempt.node_rank == node_rank).values(stacks=stacks))
+    if stacks.get("reason") == "hang":
+        record_event(db, job_id=job_id, kind="hung", detail=stacks.get("message"))
+
+
+def request_stacks(db: Session, *, job_id: str) -> datetime | None:
+    """Ask the running job's supervisors for every rank's stack; the request's time, None unless it runs."""
+    asked = utcnow()
+    done = db.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING)
+                      .values(stacks_requested_at=asked)).rowcount
+    db.commit()
+    return asked if done else None
 
 
 def record_progress(db: Session, *, job_id: str, attempt: int, progress: dict) -> None:

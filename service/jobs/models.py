@@ -48,6 +48,7 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    stacks_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # POST /v1/jobs/{id}/stacks
     not_before: Mapped[datetime | None] = mapped_column(UTCDateTime)  # a retry waits out its backoff
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
@@ -74,6 +75,8 @@ class Attempt(Base):
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     resumed_from_step: Mapped[int | None] = mapped_column(Integer)  # None: it started from step 0
     endpoint: Mapped[str | None] = mapped_column(String(300))  # node 0 of a gang: its rendezvous host:port
+    # The ranks' stacks, the latest dump (worker/stacks.py): {"reason", "taken_at", "ranks": [...]}
+    stacks: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
 
     __table_args__ = (
         UniqueConstraint("job_id", "number", "node_rank", name="uq_attempts_job_number_node"),

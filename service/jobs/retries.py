@@ -24,6 +24,8 @@ def is_retryable(error: dict, previous: list[dict]) -> bool:
     """Lost workers, signals, OOM, collective timeouts, rendezvous errors: yes. A user error, or the same twice: no."""
     if error.get("type") in FINAL_TYPES:
         return False
+    if error.get("type") == ErrorType.HANG:  # hang.action retry: once; a second hang fails the job
+        return not error.get("final") and not any(e.get("type") == ErrorType.HANG for e in previous)
     same = [e for e in previous if e.get("type") == error.get("type") and e.get("message") == error.get("message")]
     return not same or error.get("type") == ErrorType.WORKER_LOST  # a machine can die twice; code fails the same way
 

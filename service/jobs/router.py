@@ -1,4 +1,6 @@
 import logging
+import time
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -8,7 +10,7 @@ from service.api.deps import RedisDep, SessionDep, SettingsDep
 from service.api.etag import json_with_etag
 from service.auth.deps import JobIdDep, PrincipalDep
 from service.auth.limits import check_submission
-from service.errors import responses
+from service.errors import GatewayTimeout, InvalidTransition, responses
 from service.jobs import lifecycle, queue, service
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
 from service.packages import service as packages
@@ -89,6 +91,35 @@ def cancel_job(job_id: JobIdDep, db: SessionDep, redis: RedisDep, settings: Sett
         except RedisError:
             log.warning("could not drop cancelled job %s from Redis; the worker will skip it", job.id)
     return JobPublic.of(job)
+
+
+STACKS_WAIT_S = 15.0
+
+
+@router.post("/{job_id}/stacks", response_model=AttemptsPublic, responses=responses(404, 409, 504))
+def take_stacks(job_id: JobIdDep, db: SessionDep):
+    """Every rank's stack of a running job, taken by its workers without stopping it (py-spy dump).
+
+    Answers the attempt's nodes with their new `stacks` once node 0's worker has stored them (it reads the
+    request when it next renews its lease); 504 if it has not within 15 s (they stay on the attempt, shown by
+    GET .../attempts, once taken).
+    """
+    asked = lifecycle.request_stacks(db, job_id=job_id)
+    job = service.get(db, job_id=job_id)
+    if asked is None:
+        raise InvalidTransition(f"job {job_id} is {job.status}: only a running job's ranks have stacks", field="status")
+    asked = job.stacks_requested_at  # as stored (the database's precision)
+    deadline = time.monotonic() + STACKS_WAIT_S
+    while time.monotonic() < deadline:
+        db.expire_all()
+        nodes = [a for a in service.attempts_of(db, job_id=job_id) if a.number == job.attempt]
+        fresh = [a for a in nodes if (a.stacks or {}).get("requested_at")
+                 and datetime.fromisoformat(a.stacks["requested_at"]) >= asked]
+        if any(a.node_rank == 0 for a in fresh):
+            return AttemptsPublic(data=[AttemptPublic.model_validate(a) for a in fresh], count=len(fresh))
+        db.rollback()
+        time.sleep(0.2)
+    raise GatewayTimeout(f"the worker of job {job_id} did not send its stacks within {STACKS_WAIT_S:g}s")
 
 
 @router.get("/{job_id}/attempts", response_model=AttemptsPublic, responses=responses(404))

@@ -84,6 +84,7 @@ class AttemptPublic(BaseModel):
     exit_code: int | None
     error: dict[str, Any] | None
     resumed_from_step: int | None  # None: it started from step 0
+    stacks: dict[str, Any] | None = None  # every rank's stack: on a hang, or POST /v1/jobs/{id}/stacks
 
     model_config = {"from_attributes": True}
 

@@ -39,6 +39,13 @@ class NonFiniteLoss(ValueError):
     """The loss became NaN or infinite: training diverged (the job's error names the step)."""
 
 
+def hang_forever() -> None:
+    """fault_injection.hang_at_step: this rank blocks (its peers then wait in the next collective)."""
+    print(f"rank {os.environ.get('RANK')}: injected hang", flush=True)
+    while True:
+        time.sleep(3600)
+
+
 def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
     """Build, resume, train to max_steps (or to a preemption), save and summarise, on every rank."""
     d = init_distributed(spec.resources.device)
@@ -50,6 +57,8 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
     while step < cfg.max_steps:
         if run.fault_armed and step == spec.fault_injection.raise_at_step:
             raise RuntimeError(spec.fault_injection.message)
+        if run.fault_armed and step == spec.fault_injection.hang_at_step:
+            hang_forever()
         lr, step_loss, grad_norm = train_step(run, step)
         step += 1
         metrics = {}
