@@ -3,17 +3,14 @@
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, insert, inspect, text
+from sqlalchemy import create_engine, insert, text
 from sqlalchemy.orm import Session
 
 from service import migrate
 from service.db import utcnow
-from service.jobs import service as jobs
-from service.jobs.models import Job
 from service.metrics.models import Metric
 from service.models import Base
-from tests.conftest import mlp_spec
-from trainjobs.spec import JobSpec
+from tests.helpers import insert_job
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
@@ -43,20 +40,6 @@ def fresh_postgres(postgres_url):
     engine.dispose()
 
 
-def add_job(db: Session) -> str:
-    """A job row, with only the columns the database has at its revision (a later one may add some)."""
-    scratch = create_engine("sqlite://")  # the row as the service makes it, at the models' revision
-    Base.metadata.create_all(scratch)
-    with Session(scratch) as made:
-        job = jobs.create(made, spec=JobSpec.model_validate(mlp_spec()))
-        made.flush()
-        values = {c.name: getattr(job, c.key) for c in Job.__table__.columns}
-    scratch.dispose()
-    present = {c["name"] for c in inspect(db.connection()).get_columns("jobs")}
-    db.execute(insert(Job.__table__).values({k: v for k, v in values.items() if k in present and v is not None}))
-    return values["id"]
-
-
 def add_metric(db: Session, job_id: str, metric_id: int | None = None) -> int:
     values = {"job_id": job_id, "attempt": 1, "step": 1, "name": "loss", "value": 0.5, "time": utcnow()}
     if metric_id is not None:
@@ -67,7 +50,7 @@ def add_metric(db: Session, job_id: str, metric_id: int | None = None) -> int:
 def test_metric_ids_go_past_2_to_the_31(db_url):
     engine = create_engine(db_url)
     with Session(engine) as db:
-        job_id = add_job(db)
+        job_id = insert_job(db)
         assert add_metric(db, job_id, 2**31 + 5) == 2**31 + 5
         if db.bind.dialect.name == "postgresql":  # a serial's next value is its sequence's, not the largest id's
             db.execute(text("SELECT setval('metrics_id_seq', :at)"), {"at": 2**31 + 5})
@@ -82,7 +65,7 @@ def test_0008_widens_metric_ids_and_its_downgrade_narrows_them_keeping_the_point
     migrate.upgrade(url, "0007")
     engine = create_engine(url)
     with Session(engine) as db:  # 0008 changes only metrics: the jobs table is the models' already
-        job_id = add_job(db)
+        job_id = insert_job(db)
         kept = add_metric(db, job_id)
         db.commit()
     migrate.upgrade(url)
