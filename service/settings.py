@@ -60,6 +60,11 @@ class Settings(BaseSettings):
     hang_factor: float = Field(10.0, ge=1)
     hang_startup_s: float = Field(600.0, gt=0, description="the bound before the ranks' first output or step")
     hang_action: Literal["retry", "fail", "report"] = "retry"
+    # Stragglers (the built-in runtime's step_time_s/rank<r>; a job's spec.straggler overrides).
+    straggler_factor: float = Field(1.3, gt=1)
+    straggler_windows: int = Field(3, ge=1)
+    straggler_min_excess_s: float = Field(0.002, ge=0, description="and at least this much slower per step than "
+                                          "the others' median: microseconds of jitter are no straggler")
     # Sweeper inside the API: re-enqueues queued jobs that Redis lost.
     reconcile_s: float = Field(30.0, gt=0)
     # ... and finds expired leases (lost workers) and retries whose backoff is over, this often.

@@ -183,15 +183,27 @@ class FaultInjection(_Strict):
 
     raise_at_step: int | None = Field(None, ge=0, le=100_000_000)
     hang_at_step: int | None = Field(None, ge=0, le=100_000_000, description="the rank sleeps forever there")
+    sleep_per_step_s: float | None = Field(None, gt=0, le=60, description="the rank sleeps this long every step: "
+                                           "a straggler")
     rank: int = Field(0, ge=0, le=65_535)
     message: str = Field("injected fault", max_length=500)
     attempt: int | None = Field(1, ge=1, le=11, description="only on this attempt (null: on every attempt)")
 
     @model_validator(mode="after")
     def _one_fault(self):
-        if (self.raise_at_step is None) == (self.hang_at_step is None):
-            raise ValueError("fault_injection needs exactly one of 'raise_at_step' or 'hang_at_step'")
+        if sum(x is not None for x in (self.raise_at_step, self.hang_at_step, self.sleep_per_step_s)) != 1:
+            raise ValueError("fault_injection needs exactly one of 'raise_at_step', 'hang_at_step' or "
+                             "'sleep_per_step_s'")
         return self
+
+
+class StragglerConfig(_Strict):
+    """When a rank of the built-in runtime is named a straggler (unset: the worker's defaults)."""
+
+    factor: float | None = Field(None, gt=1, le=100, description="its own step time at least this many times the "
+                                 "median of the others' (default TRAINJOBS_STRAGGLER_FACTOR, 1.3)")
+    windows: int | None = Field(None, ge=1, le=1000, description="for this many log windows in a row "
+                                "(default TRAINJOBS_STRAGGLER_WINDOWS, 3)")
 
 
 class HangConfig(_Strict):
@@ -273,6 +285,7 @@ class JobSpec(_Strict):
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     fault_injection: FaultInjection | None = None
     hang: HangConfig = Field(default_factory=HangConfig)
+    straggler: StragglerConfig = Field(default_factory=StragglerConfig)
     env: dict[EnvName, EnvValue] = Field(
         default_factory=dict, max_length=ENV_MAX_VARS,
         description="environment variables for every rank (not secrets: anyone who can read the job sees them)")

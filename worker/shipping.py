@@ -16,6 +16,7 @@ from service.metrics import service as metrics
 from trainjobs.runenv import parse_record
 from worker.redact import Redactor
 
+RANK_SERIES = "step_time_s/rank"  # worker/train/own_time.py's (not imported: it loads torch)
 NUL, REPLACEMENT = "\x00", "\ufffd"  # PostgreSQL stores no NUL in text; U+FFFD is what a decoder shows for bad bytes
 
 
@@ -134,6 +135,9 @@ class MetricTail:
         self.renamed, self.dropped = 0, 0  # metric names with NUL (U+FFFD now); non-finite values not stored
         self.first_dropped: tuple[str, int, float] | None = None  # (name, step, value) of the first dropped
         self._changes = (0, 0, None)
+        # Each log window's own step time per rank (the runtime's step_time_s/rank<r>), once committed.
+        self.rank_windows: list[dict[int, float]] = []
+        self._rank_staged: list[dict[int, float]] = []
 
     def write(self, db: Session, *, job_id: str, attempt: int, node_rank: int = 0) -> int:
         try:
@@ -144,7 +148,7 @@ class MetricTail:
             return 0
         end = data.rfind(b"\n") + 1
         self._next_pos = self.pos + end
-        rows = []
+        rows, self._rank_staged = [], []
         renamed, dropped, first = 0, 0, self.first_dropped
         for line in data[:end].splitlines():
             record = parse_record(line)
@@ -179,6 +183,9 @@ class MetricTail:
                     continue
                 points[stored] = value
             rows.extend((step, name, value, t) for name, value in points.items())
+            if ranks := {int(n[len(RANK_SERIES):]): v for n, v in points.items()
+                         if n.startswith(RANK_SERIES) and n[len(RANK_SERIES):].isdigit()}:
+                self._rank_staged.append(ranks)
             if "step_time_s" in points:
                 self.last_step_time_s, self._timed = points["step_time_s"], True
             elif not self._timed and step > self.last_step and self._last_time is not None:
@@ -189,6 +196,8 @@ class MetricTail:
 
     def committed(self) -> None:
         self.pos = self._next_pos
+        self.rank_windows.extend(self._rank_staged)
+        self._rank_staged = []
         renamed, dropped, self.first_dropped = self._changes
         self.renamed, self.dropped, self._changes = self.renamed + renamed, self.dropped + dropped, (0, 0, None)
 

@@ -86,6 +86,11 @@ class Supervisor:
         self._stacks_asked: datetime | None = None  # the job's stacks_requested_at, as last read
         self._stacks_served: datetime | None = None
         self._stacks_read = False  # a request older than this attempt's first renewal is not for it
+        self.straggler_factor = spec.straggler.factor or settings.straggler_factor
+        self.straggler_windows = spec.straggler.windows or settings.straggler_windows
+        self._slow_windows: dict[int, int] = {}  # rank -> log windows in a row it was slow
+        self._stragglers: set[int] = set()  # named once per attempt
+        self._warnings_pending: list[dict] = []
 
     def run(self) -> Outcome:
         scripts_dir = self.settings.resolved_scripts_dir
@@ -181,6 +186,7 @@ class Supervisor:
                         stop_reason = "preempted"
                     elif self._watch(proc.pid):
                         stop_reason = "hung"
+                    self._watch_stragglers()
                 if stop_reason is not None:
                     if stop_reason not in ("lost", "lease_expired"):
                         # stop_all blocks through the grace period: hold the lease past it, so a slow-dying
@@ -315,6 +321,25 @@ class Supervisor:
             return False
         return True
 
+    def _watch_stragglers(self) -> None:
+        """Name a rank whose own step time stays at least `factor` × the median of the others' (and a few ms above
+        it) for `windows` log windows in a row: an event and a warning on the job, once per rank per attempt."""
+        while self.metrics.rank_windows:
+            window = self.metrics.rank_windows.pop(0)
+            for rank, own in window.items():
+                others = statistics.median(v for r, v in window.items() if r != rank) if len(window) > 1 else own
+                slow = own >= self.straggler_factor * others and own - others >= self.settings.straggler_min_excess_s
+                self._slow_windows[rank] = self._slow_windows.get(rank, 0) + 1 if slow else 0
+                if self._slow_windows[rank] >= self.straggler_windows and rank not in self._stragglers:
+                    self._stragglers.add(rank)
+                    message = (f"rank {rank} is a straggler: its own step time (data and forward) was "
+                               f"{own * 1000:.1f} ms, {own / others if others else float('inf'):.1f}x the median of "
+                               f"the other ranks ({others * 1000:.1f} ms) for {self._slow_windows[rank]} log "
+                               f"windows in a row (attempt {self.attempt})")
+                    log.warning("job %s: %s", self.job_id, message)
+                    self._warnings_pending.append({"kind": "straggler", "rank": rank, "attempt": self.attempt,
+                                                   "message": message})
+
     def preempt(self) -> None:
         """The worker is shutting down: checkpoint and hand the job back; a second call stops it now.
 
@@ -353,12 +378,13 @@ class Supervisor:
         renew = asked - self._renewed >= self.settings.heartbeat_s
         lease_s = self.settings.lease_s + self._lease_extra_s if renew else None
         try:
-            pending = self._stacks_pending
+            pending, warned = self._stacks_pending, len(self._warnings_pending)
             if self._hold(asked, lease_s, write=self._write):
                 self.logs.committed()
                 self.metrics.committed()
                 if pending is self._stacks_pending:
                     self._stacks_pending = None
+                del self._warnings_pending[:warned]
             return Shipped.STORED
         except UNREACHABLE as exc:  # no lease alone either: it would wait as long again (run() stops the ranks
             # once the lease runs out unrenewed)
@@ -414,6 +440,8 @@ class Supervisor:
         """This attempt's new output, metric points, resume step and progress."""
         self.logs.write(db)
         self.metrics.write(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
+        for warning in self._warnings_pending:
+            lifecycle.add_warning(db, job_id=self.job_id, warning=warning)
         if self._stacks_pending is not None:
             lifecycle.record_stacks(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
                                     stacks=self._stacks_pending)

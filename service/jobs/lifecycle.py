@@ -288,6 +288,19 @@ def record_stacks(db: Session, *, job_id: str, attempt: int, node_rank: int, sta
         record_event(db, job_id=job_id, kind="hung", detail=stacks.get("message"))
 
 
+def add_warning(db: Session, *, job_id: str, warning: dict) -> None:
+    """Something a user should know about a job that still runs (a straggler), kept on the job and as an event.
+
+    The caller holds the job's row lock (hold), so appending to the list races no other writer."""
+    warnings = db.execute(select(Job.warnings).where(Job.id == job_id)).scalar_one_or_none() or []
+    stamped = {**warning, "time": utcnow().isoformat()}
+    db.execute(update(Job).where(Job.id == job_id).values(warnings=[*warnings, stamped][-WARNINGS_KEPT:]))
+    record_event(db, job_id=job_id, kind=warning["kind"], detail=warning["message"])
+
+
+WARNINGS_KEPT = 50
+
+
 def request_stacks(db: Session, *, job_id: str) -> datetime | None:
     """Ask the running job's supervisors for every rank's stack; the request's time, None unless it runs."""
     asked = utcnow()

@@ -49,6 +49,7 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     stacks_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # POST /v1/jobs/{id}/stacks
+    warnings: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))  # stragglers, ...
     not_before: Mapped[datetime | None] = mapped_column(UTCDateTime)  # a retry waits out its backoff
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))

@@ -32,6 +32,8 @@ from worker.train.flops import flops_per_sample, mfu, peak_flops
 from worker.train.models import build_model, loss_fn
 from worker.train.optim import build_optimizer, lr_at
 from worker.train.preempt import Preemption
+from worker.train import own_time
+from worker.train.own_time import OwnTime
 from worker.train.strategies import apply_strategy
 
 
@@ -106,6 +108,7 @@ class Run:
     peak_flops: float | None  # of one device (CUDA only): for mfu
     base_mem_mb: float  # before the model was built: what training adds is the peak minus this
     fault_armed: bool
+    own_time: OwnTime  # this rank's data and forward time, gathered per log window (stragglers)
 
     @property
     def global_batch(self) -> int:
@@ -147,6 +150,7 @@ def build(spec: JobSpec, data_dir: Path, reporter_path: Path | None, d: Dist) ->
         peak_flops=peak_flops(torch.cuda.get_device_name(d.device)) if d.device.type == "cuda" else None,
         base_mem_mb=base_mem_mb,
         fault_armed=fault is not None and d.rank == fault.rank and fault.attempt in (None, attempt),
+        own_time=OwnTime(d.device),
     )
 
 
@@ -174,11 +178,15 @@ def train_step(run: Run, step: int) -> tuple[float, torch.Tensor, torch.Tensor]:
     run.optimizer.zero_grad(set_to_none=True)
     accum = spec.train.grad_accum_steps
     step_loss = torch.zeros((), device=d.device)
+    slow_s = spec.fault_injection.sleep_per_step_s if run.fault_armed else None
     for micro in range(accum):
-        inputs, targets = next(run.stream)
-        inputs, targets = inputs.to(d.device, non_blocking=True), targets.to(d.device, non_blocking=True)
         with gradient_sync(run.model, enabled=micro == accum - 1):
-            loss = loss_fn(run.info.task, run.model(inputs), targets) / accum
+            with run.own_time.measure():  # up to backward: this rank's own time, before it waits for the others
+                inputs, targets = next(run.stream)
+                inputs, targets = inputs.to(d.device, non_blocking=True), targets.to(d.device, non_blocking=True)
+                if slow_s and micro == 0:
+                    time.sleep(slow_s)  # fault_injection.sleep_per_step_s: a straggler on purpose
+                loss = loss_fn(run.info.task, run.model(inputs), targets) / accum
             loss.backward()
         step_loss += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), spec.optimizer.grad_clip or math.inf)
@@ -206,6 +214,8 @@ def step_metrics(run: Run, window: "Window", step: int, *, loss: float, lr: floa
     samples_per_s = steps * run.global_batch / seconds
     metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": samples_per_s,
                "step_time_s": seconds / steps, "peak_mem_mb": peak_memory_mb(run.d.device)}
+    if run.d.world_size > 1:  # a collective: every rank gathers; global rank 0 reports
+        metrics.update({f"{own_time.SERIES}{r}": t for r, t in enumerate(run.own_time.gather(steps))})
     if run.info.task == "lm":
         metrics["tokens_per_s"] = samples_per_s * run.info.tokens_per_sample
     if run.peak_flops:
