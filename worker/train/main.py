@@ -25,15 +25,15 @@ from trainjobs.runenv import (
     env_path,
 )
 from trainjobs.spec import JobSpec
+from worker.train import own_time
 from worker.train.checkpoint import Checkpointer, Position, save_model
 from worker.train.data import BatchStream, DataInfo, build_dataset, split_eval
 from worker.train.distributed import Dist, cleanup_and_exit, init_distributed, mean_across_ranks, peak_memory_mb
 from worker.train.flops import flops_per_sample, mfu, peak_flops
 from worker.train.models import build_model, loss_fn
 from worker.train.optim import build_optimizer, lr_at
-from worker.train.preempt import Preemption
-from worker.train import own_time
 from worker.train.own_time import OwnTime
+from worker.train.preempt import Preemption
 from worker.train.strategies import apply_strategy
 
 
