@@ -80,7 +80,9 @@ def run_bare_script(seconds: float) -> float:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
             str(SCRIPTS / "ddp_loop.py"), "--seconds", str(seconds)]
     with tempfile.TemporaryDirectory(prefix="trainjobs-bare-") as tmp:  # torchrun's torchelastic_* folder
-        done = subprocess.run(argv, env=dict(os.environ, TMPDIR=tmp), capture_output=True, text=True, check=True)
+        done = subprocess.run(argv, env=dict(os.environ, TMPDIR=tmp), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"bare torchrun exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
     return loop_rate(done.stdout)
 
 
