@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, update
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
+from service.jobs.models import Job
 from service.metrics import service as metrics
 from tests.conftest import mlp_spec
 from tests.helpers import live_stack, wait_for, wait_terminal
@@ -84,8 +85,14 @@ def rows(page: Page):
     return page.locator("#jobs-table tbody tr")
 
 
-def test_jobs_table_lists_jobs_newest_first_filters_by_status_and_shows_user_text_as_text(page, api, jobs):
+def test_jobs_table_lists_jobs_newest_first_filters_by_status_and_shows_user_text_as_text(page, api, jobs,
+                                                                                           postgres_url):
     wait_terminal(api, jobs["failed"], timeout=60)
+    engine = create_engine(postgres_url)  # a warning, as the supervisor writes one (a straggler named)
+    with engine.begin() as db:
+        db.execute(update(Job).where(Job.id == jobs["failed"]).values(warnings=[
+            {"kind": "straggler", "rank": 1, "attempt": 1, "message": f"rank 1 is slow {HOSTILE}"}]))
+    engine.dispose()
     expect(rows(page)).to_have_count(2)
     expect(rows(page).nth(0)).to_contain_text("dash-running")  # newest first
     expect(rows(page).nth(1)).to_contain_text("dash-failed")
@@ -103,6 +110,8 @@ def test_jobs_table_lists_jobs_newest_first_filters_by_status_and_shows_user_tex
     page.click("text=dash-failed")
     expect(page.locator("#job-status")).to_have_text("failed")
     expect(page.locator("#job-error")).to_contain_text(HOSTILE)  # shown literally...
+    expect(page.locator("#job-warnings")).to_have_text(f"straggler: rank 1 is slow {HOSTILE}")
+    expect(page.locator("#job-stacks-box")).to_be_hidden()  # no dump was taken
     expect(page.locator("#log")).to_contain_text("bad batch")
     assert page.locator("main img, main b").count() == 0  # ...never parsed as markup
     assert page.evaluate("window.__pwned") is None
@@ -146,8 +155,13 @@ def test_job_page_follows_a_running_job_live_and_cancels_it(page, api, jobs):
     expect(page.locator("#plan-table")).to_contain_text("per device")
     expect(page.locator("#job-spec")).to_contain_text('"dash-running"')
 
+    asked = api.post(f"/v1/jobs/{job_id}/stacks", timeout=30)  # every rank's stack, the job left running
+    assert asked.status_code == 200, asked.text
     page.click("#job-cancel")
     expect(page.locator("#job-status")).to_have_text("cancelled", timeout=30_000)
+    expect(page.locator("#job-stacks-meta")).to_contain_text("requested")
+    expect(page.locator("#job-stacks summary")).to_have_count(2)
+    expect(page.locator("#job-stacks summary").nth(0)).to_contain_text("rank 0 (pid")
     expect(page.locator("#job-cancel")).to_be_hidden()
     expect(page.locator("#log-state")).to_have_text("(ended)", timeout=10_000)
     expect(page.locator("#attempts-table tbody")).to_contain_text("cancelled")

@@ -306,6 +306,7 @@ function jobView(id) {
     drawQueued = true;
     requestAnimationFrame(() => { drawQueued = false; drawCharts(series, nodes); });
   };
+  let jobReadAt = Date.now();
   const refreshJob = async () => {
     const { body, changed } = await getJson(base);
     job = body;
@@ -333,7 +334,10 @@ function jobView(id) {
   const onEvent = (ev) => {
     const data = JSON.parse(ev.data);
     if (ev.event === "metrics") { mergeSeries(series, data.series); redraw(); }
-    if (ev.event === "progress" && job) { job.progress = { ...job.progress, ...data }; renderProgress(job); }
+    if (ev.event === "progress" && job) {
+      job.progress = { ...job.progress, ...data }; renderProgress(job);
+      if (Date.now() - jobReadAt > 5000) { jobReadAt = Date.now(); refreshJob().catch(report); } // warnings
+    }
     if (ev.event === "status") { refreshJob().catch(report); refreshAttempts().catch(report); }
     return ev.event === "status" && TERMINAL.has(data.status);
   };
@@ -405,7 +409,20 @@ function renderJob(job) {
     $("job-error").textContent = `${e.type || "error"}${rank}: ${e.message || ""}`;
     $("job-traceback").textContent = e.traceback || e.excerpt || "";
   }
+  const warnings = job.warnings || [];
+  $("job-warnings-box").hidden = warnings.length === 0;
+  $("job-warnings").replaceChildren(...warnings.map((w) => el("li", {}, `${w.kind}: ${w.message}`)));
   renderPlan(job);
+}
+function renderStacks(attempts) {
+  // The latest dump of any node of any attempt (a hang's, or one asked for with POST .../stacks).
+  const dumped = attempts.filter((a) => a.stacks).sort((a, b) => (a.stacks.taken_at < b.stacks.taken_at ? 1 : -1));
+  $("job-stacks-box").hidden = dumped.length === 0;
+  if (!dumped.length) return;
+  const a = dumped[0], s = a.stacks;
+  $("job-stacks-meta").textContent = `attempt ${a.number}, node ${a.node_rank} · ${s.reason} · ${when(s.taken_at)}`;
+  $("job-stacks").replaceChildren(...s.ranks.map((r) => el("details", {},
+    el("summary", {}, `rank ${r.rank ?? "?"} (pid ${r.pid}): ${r.where}`), el("pre", {}, r.text))));
 }
 function renderPlan(job) {
   const plan = job.plan, head = document.querySelector("#plan-table thead");
@@ -429,6 +446,7 @@ function renderPlan(job) {
     `(${plan.device_memory_source}), limit ${plan.limit_gib} GiB${measured}`;
 }
 function renderAttempts(attempts) {
+  renderStacks(attempts);
   document.querySelector("#attempts-table tbody").replaceChildren(...attempts.map((a) => el("tr", {},
     el("td", { cls: "num" }, a.number), el("td", {}, a.worker), el("td", {}, statusBadge(a.status)),
     el("td", { title: when(a.started_at) }, ago(a.started_at)),
