@@ -5,6 +5,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from service.auth.tokens import ADMIN_USER, Principal, authenticate
 from service.errors import Forbidden, JobNotFound, TrainjobsError
@@ -60,12 +61,18 @@ def admin_only(principal: PrincipalDep) -> Principal:
 AdminDep = Annotated[Principal, Depends(admin_only)]
 
 
+def visible_version(db: Session, *, job_id: str, principal: Principal) -> int:
+    """The job's row version if the caller may see it (one indexed read); someone else's job is a 404."""
+    row = db.execute(select(Job.owner, Job.version).where(Job.id == job_id)).first() if len(job_id) <= 64 else None
+    if row is None or not (principal.is_admin or row.owner == principal.user):
+        raise JobNotFound(job_id)
+    return row.version
+
+
 def owned_job_id(job_id: str, principal: PrincipalDep, request: Request) -> str:
     """The path's job id if the caller may see that job; someone else's job is a 404, as if it did not exist."""
     with request.app.state.sessionmaker() as db:  # short: an SSE stream must not hold a transaction open
-        owner = db.scalar(select(Job.owner).where(Job.id == job_id)) if len(job_id) <= 64 else None
-    if owner is None or not (principal.is_admin or owner == principal.user):
-        raise JobNotFound(job_id)
+        visible_version(db, job_id=job_id, principal=principal)
     return job_id
 
 

@@ -54,6 +54,8 @@ class Job(Base):
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # trainjobs/plan.py's Plan
     pending_reason: Mapped[str | None] = mapped_column(Text)  # why no worker takes it (the sweeper says)
+    # Bumped by the database on every UPDATE of the row (a trigger, migrations/versions/0011): a read's ETag.
+    version: Mapped[int] = mapped_column(Integer, server_default="1")
 
     __table_args__ = (UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),)
 

@@ -5,8 +5,8 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from redis.exceptions import RedisError
 
 from service.api.deps import RedisDep, SessionDep, SettingsDep
-from service.api.etag import json_with_etag
-from service.auth.deps import JobIdDep, PrincipalDep
+from service.api.etag import job_etag, json_with_etag, not_modified
+from service.auth.deps import JobIdDep, PrincipalDep, visible_version
 from service.auth.limits import check_submission
 from service.errors import responses
 from service.jobs import lifecycle, queue, service
@@ -73,9 +73,16 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=responses(404))
-def read_job(job_id: JobIdDep, request: Request, db: SessionDep):
-    """With an ETag: an If-None-Match that names the current one gets a 304 and no body."""
-    return json_with_etag(request, JobPublic.of(service.get(db, job_id=job_id)))
+def read_job(job_id: str, request: Request, db: SessionDep, principal: PrincipalDep):
+    """With an ETag: an If-None-Match that names the current one gets a 304 and no body.
+
+    The ETag is the row's version, read with the owner check: a 304 loads and renders nothing more.
+    """
+    cached = not_modified(request, job_etag(visible_version(db, job_id=job_id, principal=principal)))
+    if cached is not None:
+        return cached
+    job = service.get(db, job_id=job_id)  # NOTE: its own version, which a write since the check may have bumped
+    return json_with_etag(request, JobPublic.of(job), etag=job_etag(job.version))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404, 409))

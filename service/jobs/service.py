@@ -63,6 +63,7 @@ def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: S
         created_at=now,
         queued_at=now,
         plan=plan.model_dump(mode="json") if plan else None,
+        version=1,  # the server default's, set here so the INSERT needs no RETURNING
     )
     db.add(job)
     db.flush()
