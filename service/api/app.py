@@ -19,6 +19,7 @@ from service.api.strict_json import refuse_non_finite
 from service.api.sweeper import Sweeper
 from service.artifacts.router import router as artifacts_router
 from service.auth import tokens
+from service.auth.cache import PrincipalCache
 from service.auth.deps import current_principal
 from service.auth.router import router as auth_router
 from service.dashboard.router import router as dashboard_router
@@ -68,6 +69,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = make_engine(settings.resolved_database_url)
     app.state.sessionmaker = make_sessionmaker(app.state.engine)
     app.state.redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    app.state.principals = PrincipalCache(app.state.redis, f"{settings.queue_prefix}:auth:epoch")
 
     @app.exception_handler(TrainjobsError)
     async def _trainjobs_error(_request: Request, exc: TrainjobsError) -> JSONResponse:

@@ -5,9 +5,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
-from service.auth.tokens import ADMIN_USER, Principal, authenticate
+from service.auth.tokens import ADMIN_USER, Principal, authenticate, hash_secret
 from service.errors import Forbidden, JobNotFound, TrainjobsError
 from service.jobs.models import Job
 
@@ -32,7 +33,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def current_principal(request: Request) -> Principal:
+async def current_principal(request: Request) -> Principal:
+    """The caller. A token seen lately is answered from the process's cache (service/auth/cache.py), with no
+    thread and no database; the rest is authenticated in the threadpool, in a short session of its own."""
     settings = request.app.state.settings
     if not settings.auth:
         server = request.scope.get("server")
@@ -40,19 +43,31 @@ def current_principal(request: Request) -> Principal:
             raise Unauthorized("auth is off, which serves loopback only")
         return LOCAL_ADMIN
     scheme, _, secret = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secret.strip():
+    secret = secret.strip()
+    if scheme.lower() != "bearer" or not secret:
         raise Unauthorized("missing bearer token: send Authorization: Bearer <token>")
-    with request.app.state.sessionmaker() as db:  # its own short session (see owned_job_id)
-        principal = authenticate(db, secret.strip())
+    cache = request.app.state.principals
+    if cache.due():
+        await run_in_threadpool(cache.refresh)
+    digest = hash_secret(secret)
+    principal, generation = cache.get(digest)
     if principal is None:
-        raise Unauthorized("invalid, revoked or expired token")
+        principal = await run_in_threadpool(authenticate_in_session, request.app.state.sessionmaker, secret)
+        if principal is None:
+            raise Unauthorized("invalid, revoked or expired token")
+        cache.put(digest, principal, principal.expires_at, generation)
     return principal
+
+
+def authenticate_in_session(factory: sessionmaker[Session], secret: str) -> Principal | None:
+    with factory() as db:
+        return authenticate(db, secret)
 
 
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 
 
-def admin_only(principal: PrincipalDep) -> Principal:
+async def admin_only(principal: PrincipalDep) -> Principal:
     if not principal.is_admin:
         raise Forbidden("this needs an admin token", field="Authorization")
     return principal
