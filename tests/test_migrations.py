@@ -31,19 +31,6 @@ def test_upgrade_is_idempotent(sqlite_url):
     migrate.upgrade(sqlite_url)  # already at head: nothing to do, nothing fails
 
 
-@pytest.fixture
-def fresh_postgres(postgres_url):
-    """An empty schema of the test database, for migrations run down and up apart from the session's tables."""
-    engine = create_engine(postgres_url)
-    with engine.begin() as conn:
-        conn.execute(text("DROP SCHEMA IF EXISTS migrations_apart CASCADE"))
-        conn.execute(text("CREATE SCHEMA migrations_apart"))
-    yield f"{postgres_url}?options=-csearch_path%3Dmigrations_apart"
-    with engine.begin() as conn:
-        conn.execute(text("DROP SCHEMA migrations_apart CASCADE"))
-    engine.dispose()
-
-
 def add_job(db: Session) -> str:
     """A job row of the columns every revision since 0002 has (so not 0011's version): Core, not the ORM."""
     spec = JobSpec.model_validate(mlp_spec())

@@ -1,4 +1,5 @@
-"""The sweeper inside the API: lost workers, retries due, and the queue rebuilt from the database.
+"""The sweeper inside the API: lost workers, retries due, the queue rebuilt from the database, and the job
+counts' deltas folded (service/jobs/counts.py).
 
 One pass at a time across API replicas (a Redis lock). Every change it makes is the same
 compare-and-set a worker would make, so a worker that wakes up late finds its job gone and stops.
@@ -12,7 +13,7 @@ from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE
-from service.jobs import lifecycle, queue
+from service.jobs import counts, lifecycle, queue
 from service.settings import Settings
 from service.workers import pending
 from service.workers import service as workers
@@ -58,6 +59,8 @@ class Sweeper:
                 if full:
                     workers.prune(db)
                     self.last_reconcile = now
+                db.commit()
+                counts.compact(db)  # apart: a short transaction on the count rows
                 db.commit()
         except UNREACHABLE as exc:  # an outage: one line per pass, not a traceback
             self.healthy_since = None

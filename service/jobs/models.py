@@ -3,7 +3,7 @@
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -93,3 +93,25 @@ class JobEvent(Base):
     detail: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (Index("ix_job_events_job_time", "job_id", "time"),)
+
+
+class JobCount(Base):
+    """Jobs per status and priority, up to the last compaction (service/jobs/counts.py)."""
+
+    __tablename__ = "job_counts"
+
+    status: Mapped[str] = mapped_column(String(16), primary_key=True)
+    priority: Mapped[str] = mapped_column(String(8), primary_key=True)
+    n: Mapped[int] = mapped_column(BigInteger)
+
+
+class JobCountDelta(Base):
+    """+1 / -1 per job row inserted, deleted or moved to another status or priority: written by triggers on
+    jobs (migrations/versions/0012), appended only, so no two writers ever wait on one counter row."""
+
+    __tablename__ = "job_count_deltas"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    status: Mapped[str] = mapped_column(String(16))
+    priority: Mapped[str] = mapped_column(String(8))
+    n: Mapped[int] = mapped_column(Integer)
