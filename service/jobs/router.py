@@ -68,8 +68,9 @@ def list_jobs(
     cursor: Annotated[str | None, Query(pattern=r"^[0-9a-f]{20}$", description="the last page's next_cursor")] = None,
 ):
     owner = owner if principal.is_admin else principal.user
-    jobs, next_cursor = service.list_jobs(db, status=status, limit=limit, cursor=cursor, owner=owner)
-    return json_with_etag(request, JobsPublic(items=[JobPublic.of(j) for j in jobs], next_cursor=next_cursor))
+    with db:  # closed in this thread (see read_job)
+        jobs, next_cursor = service.list_jobs(db, status=status, limit=limit, cursor=cursor, owner=owner)
+        return json_with_etag(request, JobsPublic(items=[JobPublic.of(j) for j in jobs], next_cursor=next_cursor))
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=responses(404))
@@ -78,11 +79,12 @@ def read_job(job_id: str, request: Request, db: SessionDep, principal: Principal
 
     The ETag is the row's version, read with the owner check: a 304 loads and renders nothing more.
     """
-    cached = not_modified(request, job_etag(visible_version(db, job_id=job_id, principal=principal)))
-    if cached is not None:
-        return cached
-    job = service.get(db, job_id=job_id)  # NOTE: its own version, which a write since the check may have bumped
-    return json_with_etag(request, JobPublic.of(job), etag=job_etag(job.version))
+    with db:  # closed here, in this route's thread: get_db has no transaction left to end in another
+        cached = not_modified(request, job_etag(visible_version(db, job_id=job_id, principal=principal)))
+        if cached is not None:
+            return cached
+        job = service.get(db, job_id=job_id)  # NOTE: its own version, which a write since the check may have bumped
+        return json_with_etag(request, JobPublic.of(job), etag=job_etag(job.version))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404, 409))
