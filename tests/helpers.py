@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, func, insert, select
 
 from service.jobs.models import Job
 from service.jobs.queue import PRIORITIES, get_queue
@@ -19,6 +19,22 @@ from trainjobs import runenv
 from trainjobs.runenv import RUN_TAG_ENV
 from trainjobs.states import TERMINAL
 from worker import launch
+
+
+def insert_old_job(db) -> str:
+    """A queued job's row of the columns every revision since 0003 has (so not 0011's version): Core, not the
+    ORM, whose row has every column of the newest revision. For tests that migrate a database holding jobs."""
+    from service.db import utcnow
+    from service.jobs import service as jobs
+    from tests.conftest import mlp_spec
+    from trainjobs.paths import new_job_id
+    from trainjobs.spec import JobSpec
+
+    spec = JobSpec.model_validate(mlp_spec())
+    job_id = new_job_id()
+    db.execute(insert(Job.__table__).values(id=job_id, name=spec.name, spec=spec, spec_hash=jobs.hash_spec(spec),
+                                            status="queued", priority=spec.priority, created_at=utcnow()))
+    return job_id
 
 
 def count_jobs(url: str) -> int:

@@ -8,13 +8,9 @@ from sqlalchemy.orm import Session
 
 from service import migrate
 from service.db import utcnow
-from service.jobs import service as jobs
-from service.jobs.models import Job
 from service.metrics.models import Metric
 from service.models import Base
-from tests.conftest import mlp_spec
-from trainjobs.paths import new_job_id
-from trainjobs.spec import JobSpec
+from tests.helpers import insert_old_job
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
@@ -31,15 +27,6 @@ def test_upgrade_is_idempotent(sqlite_url):
     migrate.upgrade(sqlite_url)  # already at head: nothing to do, nothing fails
 
 
-def add_job(db: Session) -> str:
-    """A job row of the columns every revision since 0002 has (so not 0011's version): Core, not the ORM."""
-    spec = JobSpec.model_validate(mlp_spec())
-    job_id = new_job_id()
-    db.execute(insert(Job.__table__).values(id=job_id, name=spec.name, spec=spec, spec_hash=jobs.hash_spec(spec),
-                                            status="queued", priority=spec.priority, created_at=utcnow()))
-    return job_id
-
-
 def add_metric(db: Session, job_id: str, metric_id: int | None = None) -> int:
     values = {"job_id": job_id, "attempt": 1, "step": 1, "name": "loss", "value": 0.5, "time": utcnow()}
     if metric_id is not None:
@@ -50,7 +37,7 @@ def add_metric(db: Session, job_id: str, metric_id: int | None = None) -> int:
 def test_metric_ids_go_past_2_to_the_31(db_url):
     engine = create_engine(db_url)
     with Session(engine) as db:
-        job_id = add_job(db)
+        job_id = insert_old_job(db)
         assert add_metric(db, job_id, 2**31 + 5) == 2**31 + 5
         if db.bind.dialect.name == "postgresql":  # a serial's next value is its sequence's, not the largest id's
             db.execute(text("SELECT setval('metrics_id_seq', :at)"), {"at": 2**31 + 5})
@@ -65,7 +52,7 @@ def test_0008_widens_metric_ids_and_its_downgrade_narrows_them_keeping_the_point
     migrate.upgrade(url, "0007")
     engine = create_engine(url)
     with Session(engine) as db:  # 0008 changes only metrics: the jobs table is the models' already
-        job_id = add_job(db)
+        job_id = insert_old_job(db)
         kept = add_metric(db, job_id)
         db.commit()
     migrate.upgrade(url)
