@@ -57,7 +57,11 @@ class Job(Base):
     # Bumped by the database on every UPDATE of the row (a trigger, migrations/versions/0011): a read's ETag.
     version: Mapped[int] = mapped_column(Integer, server_default="1")
 
-    __table_args__ = (UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),)
+    __table_args__ = (
+        UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
+        Index("ix_jobs_owner_id", "owner", "id"),  # a user's list, newest first
+        Index("ix_jobs_owner_status_id", "owner", "status", "id"),  # ...of one status; their quota's count
+    )
 
 
 class Attempt(Base):
