@@ -7,6 +7,7 @@ from service.db import utcnow
 from service.jobs import lifecycle
 from service.jobs import service as jobs
 from service.jobs.models import Job
+from service.jobs.schemas import JobPublic, JobsPublic
 from service.logs import service as logs
 from service.metrics import service as metrics
 from tests.conftest import mlp_spec
@@ -131,3 +132,27 @@ def test_someone_elses_job_is_a_404_even_with_a_matching_if_none_match(client):
     secret = client.post("/v1/tokens", json={"name": "bob"}).json()["token"]
     r = client.get(f"/v1/jobs/{job_id}", headers={"If-None-Match": tag, "Authorization": f"Bearer {secret}"})
     assert r.status_code == 404
+
+
+def test_a_list_answers_the_bytes_pydantic_would_write_from_rendered_and_fresh_jobs_alike(client, settings):
+    ids = [client.post("/v1/jobs", json=mlp_spec(name=f"j{i}")).json()["id"] for i in range(3)]
+    client.get(f"/v1/jobs/{ids[1]}")  # one of them rendered (and kept) already
+    client.post(f"/v1/jobs/{ids[2]}/cancel")  # one changed since
+    got = client.get("/v1/jobs", params={"limit": 2})
+    engine = create_engine(settings.database_url)
+    with Session(engine) as db:
+        page, cursor = jobs.list_page(db, limit=2)
+        expected = JobsPublic(items=[JobPublic.of(jobs.get(db, job_id=row.id)) for row in page], next_cursor=cursor)
+    engine.dispose()
+    assert got.content == expected.model_dump_json().encode()
+    assert [item["id"] for item in got.json()["items"]] == [ids[2], ids[1]] and got.json()["next_cursor"] == ids[1]
+    assert got.json()["items"][0]["status"] == "cancelled"
+
+
+def test_a_job_read_after_a_change_is_the_new_body_not_the_one_kept(client):
+    job_id = client.post("/v1/jobs", json=mlp_spec()).json()["id"]
+    before = client.get(f"/v1/jobs/{job_id}")
+    assert client.get(f"/v1/jobs/{job_id}").content == before.content  # the kept body
+    client.post(f"/v1/jobs/{job_id}/cancel")
+    after = client.get(f"/v1/jobs/{job_id}")
+    assert after.json()["status"] == "cancelled" and after.headers["etag"] != before.headers["etag"]

@@ -25,6 +25,7 @@ from service.auth.router import router as auth_router
 from service.dashboard.router import router as dashboard_router
 from service.db import UNREACHABLE, make_engine, make_sessionmaker
 from service.errors import TrainjobsError, responses
+from service.jobs.bodies import RenderedJobs
 from service.jobs.router import router as jobs_router
 from service.logs.router import router as logs_router
 from service.metrics.router import router as metrics_router
@@ -70,6 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = make_sessionmaker(app.state.engine)
     app.state.redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
     app.state.principals = PrincipalCache(app.state.redis, f"{settings.queue_prefix}:auth:epoch")
+    app.state.job_bodies = RenderedJobs()
 
     @app.exception_handler(TrainjobsError)
     async def _trainjobs_error(_request: Request, exc: TrainjobsError) -> JSONResponse:

@@ -44,9 +44,13 @@ def not_modified(request: Request, etag: str) -> Response | None:
     return None
 
 
-def json_with_etag(request: Request, model: BaseModel, etag: str | None = None) -> Response:
-    """The model as JSON with its ETag (etag, or the hash of the body), or a 304 when the client holds it."""
-    body = model.model_dump_json().encode()
+def bytes_with_etag(request: Request, body: bytes, etag: str | None = None) -> Response:
+    """A JSON body with its ETag (etag, or the hash of the body), or a 304 when the client holds it."""
     etag = etag or etag_of(body)
     return not_modified(request, etag) or Response(content=body, media_type="application/json",
                                                    headers={"ETag": etag, "Cache-Control": "no-cache"})
+
+
+def json_with_etag(request: Request, model: BaseModel, etag: str | None = None) -> Response:
+    """The model as JSON with its ETag (etag, or the hash of the body), or a 304 when the client holds it."""
+    return bytes_with_etag(request, model.model_dump_json().encode(), etag)
