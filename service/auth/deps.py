@@ -4,7 +4,7 @@ import ipaddress
 from typing import Annotated
 
 from fastapi import Depends, Request
-from sqlalchemy import select
+from sqlalchemy import Row, select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
@@ -76,18 +76,20 @@ async def admin_only(principal: PrincipalDep) -> Principal:
 AdminDep = Annotated[Principal, Depends(admin_only)]
 
 
-def visible_version(db: Session, *, job_id: str, principal: Principal) -> int:
-    """The job's row version if the caller may see it (one indexed read); someone else's job is a 404."""
-    row = db.execute(select(Job.owner, Job.version).where(Job.id == job_id)).first() if len(job_id) <= 64 else None
+def visible_job(db: Session, *, job_id: str, principal: Principal) -> Row:
+    """The job's (owner, status, version) if the caller may see it, in one indexed read; someone else's job is
+    a 404, as if it did not exist. The version is the ETag of its read (service/api/etag.py)."""
+    row = (db.execute(select(Job.owner, Job.status, Job.version).where(Job.id == job_id)).first()
+           if len(job_id) <= 64 else None)
     if row is None or not (principal.is_admin or row.owner == principal.user):
         raise JobNotFound(job_id)
-    return row.version
+    return row
 
 
 def owned_job_id(job_id: str, principal: PrincipalDep, request: Request) -> str:
     """The path's job id if the caller may see that job; someone else's job is a 404, as if it did not exist."""
     with request.app.state.sessionmaker() as db:  # short: an SSE stream must not hold a transaction open
-        visible_version(db, job_id=job_id, principal=principal)
+        visible_job(db, job_id=job_id, principal=principal)
     return job_id
 
 

@@ -6,7 +6,7 @@ from redis.exceptions import RedisError
 
 from service.api.deps import RedisDep, SessionDep, SettingsDep
 from service.api.etag import bytes_with_etag, job_etag, not_modified
-from service.auth.deps import JobIdDep, PrincipalDep, visible_version
+from service.auth.deps import JobIdDep, PrincipalDep, visible_job
 from service.auth.limits import check_submission
 from service.errors import responses
 from service.jobs import lifecycle, queue, service
@@ -88,7 +88,7 @@ def read_job(job_id: str, request: Request, db: SessionDep, principal: Principal
     of a version this process rendered before loads nothing more either.
     """
     with db:  # closed here, in this route's thread: get_db has no transaction left to end in another
-        version = visible_version(db, job_id=job_id, principal=principal)
+        version = visible_job(db, job_id=job_id, principal=principal).version
         cached = not_modified(request, job_etag(version))
         if cached is not None:
             return cached
@@ -113,7 +113,9 @@ def cancel_job(job_id: JobIdDep, db: SessionDep, redis: RedisDep, settings: Sett
 
 
 @router.get("/{job_id}/attempts", response_model=AttemptsPublic, responses=responses(404))
-def list_attempts(job_id: JobIdDep, db: SessionDep):
+def list_attempts(job_id: str, db: SessionDep, principal: PrincipalDep):
     """Every attempt of the job, oldest first: where it ran, how it ended, where it resumed from."""
-    attempts = service.attempts_of(db, job_id=job_id)
-    return AttemptsPublic(data=[AttemptPublic.model_validate(a) for a in attempts], count=len(attempts))
+    with db:  # the owner check and the read in one session, closed in this thread (see read_job)
+        visible_job(db, job_id=job_id, principal=principal)
+        attempts = service.attempts_of(db, job_id=job_id)
+        return AttemptsPublic(data=[AttemptPublic.model_validate(a) for a in attempts], count=len(attempts))

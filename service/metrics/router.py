@@ -4,7 +4,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
 from service.api.deps import INT32_MAX, SessionDep
-from service.auth.deps import PrincipalDep, visible_version
+from service.auth.deps import PrincipalDep, visible_job
 from service.errors import responses
 from service.metrics import service
 
@@ -43,7 +43,7 @@ def read_metrics(
     nothing (or does not exist) has no series.
     """
     with db:  # the owner check and the reads in one session, closed in this thread (see jobs.router.read_job)
-        visible_version(db, job_id=job_id, principal=principal)  # someone else's job: 404
+        visible_job(db, job_id=job_id, principal=principal)  # someone else's job: 404
         cursor = service.stream_cursor(db, job_id=job_id)  # before the series: a point between them is sent twice
         if max_points is not None:
             series = service.read_thinned(db, job_id=job_id, node_rank=node_rank, max_points=max_points, name=name,
