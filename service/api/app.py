@@ -43,7 +43,8 @@ async def lifespan(app: FastAPI):
         with app.state.sessionmaker() as db:
             if tokens.bootstrap_admin(db, settings):
                 log.warning("first start: an admin token was written to %s (mode 0600)", settings.admin_token_file)
-    sweeper = Sweeper(app.state.settings, app.state.sessionmaker, app.state.redis)
+    sweeper = Sweeper(app.state.settings, app.state.sessionmaker, app.state.redis,
+                      on_collect=getattr(app.state, "count_collected", None))
     thread = threading.Thread(target=sweeper.run, name="sweeper", daemon=True)
     thread.start()
     yield

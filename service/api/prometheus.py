@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from datetime import datetime
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis import Redis
@@ -158,6 +158,10 @@ def install(app: FastAPI) -> None:
                                        app.state.settings.lease_s))
     requests = Histogram("trainjobs_http_request_duration_seconds", "API request latency",
                          ["route", "method", "status"], registry=registry)
+    deleted = Counter("trainjobs_gc_deleted", "What retention deleted in this process's sweeper (jobs touched, "
+                      "log chunks, metric points, events, folders); `trainjobs gc` prints its own", ["kind"],
+                      registry=registry)
+    app.state.count_collected = lambda done: [deleted.labels(kind).inc(n) for kind, n in done.as_dict().items()]
     app.state.prometheus = registry
     app.add_middleware(RequestLatency, histogram=requests)
     app.include_router(router, dependencies=[Depends(current_principal)])  # a token, like /v1

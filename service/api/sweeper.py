@@ -8,29 +8,35 @@ compare-and-set a worker would make, so a worker that wakes up late finds its jo
 import logging
 import threading
 import time
+from collections.abc import Callable
+from datetime import timedelta
 
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import UNREACHABLE
-from service.jobs import counts, lifecycle, queue
+from service.db import UNREACHABLE, utcnow
+from service.jobs import counts, lifecycle, queue, retention
 from service.settings import Settings
 from service.workers import pending
 from service.workers import service as workers
 
 log = logging.getLogger(__name__)
+COLLECT_EVERY_S = 3600.0  # retention, when TRAINJOBS_RETENTION_DAYS is set
 
 
 class Sweeper:
     """Runs in a thread of the API: leases and due retries every sweep_s, the full reconcile every reconcile_s."""
 
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], redis: Redis):
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], redis: Redis,
+                 on_collect: Callable[[retention.Collected], object] | None = None):
         self.settings, self.sessions, self.redis = settings, sessions, redis
+        self.on_collect = on_collect  # /metrics counts what retention deleted
         self.stop = threading.Event()
         # NOTE: after an outage of the database or Redis, wait one lease before declaring workers lost:
         # their renewals failed for the same reason, and they deserve the chance to renew first.
         self.healthy_since: float | None = None
         self.last_reconcile = -float("inf")
+        self.last_collect = -float("inf")
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -62,6 +68,13 @@ class Sweeper:
                 db.commit()
                 counts.compact(db)  # apart: a short transaction on the count rows
                 db.commit()
+                if self.settings.retention_days and now - self.last_collect >= COLLECT_EVERY_S:
+                    done = retention.collect(db, cutoff=utcnow() - timedelta(days=self.settings.retention_days),
+                                             storage_dir=self.settings.resolved_storage_dir)
+                    self.last_collect = now
+                    log.info("retention: %s", done.as_dict())
+                    if self.on_collect is not None:
+                        self.on_collect(done)
         except UNREACHABLE as exc:  # an outage: one line per pass, not a traceback
             self.healthy_since = None
             log.warning("sweeper cannot reach the database (%s); will retry", type(exc).__name__)

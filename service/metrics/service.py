@@ -77,13 +77,10 @@ def read_thinned(db: Session, *, job_id: str, max_points: int, name: str | None 
         short = [series_name for series_name, (count, _, _) in thinned.items() if count < buckets]
         from_points = {entry["name"]: entry for entry in thin_points(  # every short series in one read
             db, job_id=job_id, node_rank=node_rank, names=short, after_step=None, max_points=max_points)}
-        series = []
-        for series_name, (count, steps, values) in thinned.items():
-            if count >= buckets:
-                series.append({"name": series_name, "steps": steps, "values": values})
-            elif series_name in from_points:
-                series.append(from_points[series_name])
-        return series
+        # NOTE: a short series whose points retention deleted (service/jobs/retention.py) draws from its
+        # summaries: coarser (min, max and last per 256 steps), but still there.
+        return [from_points.get(series_name) or {"name": series_name, "steps": steps, "values": values}
+                for series_name, (_, steps, values) in thinned.items()]
     query = select(MetricBlock.name, MetricBlock.block, MetricBlock.points, MetricBlock.last_step,
                    MetricBlock.last_value, MetricBlock.min_step, MetricBlock.min_value, MetricBlock.max_step,
                    MetricBlock.max_value).where(MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank)
