@@ -69,6 +69,19 @@ def test_gc_deletes_exactly_the_old_finished_jobs_rows_and_files_never_a_live_jo
     engine.dispose()
 
 
+def test_a_collection_cut_short_goes_on_where_it_stopped(db_url, tmp_path):
+    engine, storage = create_engine(db_url), tmp_path / "storage"
+    with Session(engine) as db:
+        old = sorted(add_job(db, storage, status="succeeded", finished_days_ago=40) for _ in range(3))
+        cutoff = utcnow() - timedelta(days=30)
+        first = retention.collect(db, cutoff=cutoff, storage_dir=storage, batch=1, max_batches=2)
+        assert first.jobs == 2 and first.resume_after == old[1] and left(db, old[2], storage)["points"] == 50
+        rest = retention.collect(db, cutoff=cutoff, storage_dir=storage, batch=1, max_batches=2,
+                                 after=first.resume_after)
+        assert rest.jobs == 1 and rest.resume_after is None and left(db, old[2], storage)["points"] == 0
+    engine.dispose()
+
+
 def test_an_old_jobs_chart_still_draws_from_its_summaries(client, settings):
     storage = settings.resolved_storage_dir
     engine = create_engine(settings.database_url)

@@ -22,6 +22,7 @@ from service.workers import service as workers
 
 log = logging.getLogger(__name__)
 COLLECT_EVERY_S = 3600.0  # retention, when TRAINJOBS_RETENTION_DAYS is set
+COLLECT_BATCHES = 5  # of retention.BATCH jobs, per sweeper pass
 
 
 class Sweeper:
@@ -37,6 +38,7 @@ class Sweeper:
         self.healthy_since: float | None = None
         self.last_reconcile = -float("inf")
         self.last_collect = -float("inf")
+        self.collect_after: str | None = None  # a collection under way goes on after this job id
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -68,10 +70,16 @@ class Sweeper:
                 db.commit()
                 counts.compact(db)  # apart: a short transaction on the count rows
                 db.commit()
-                if self.settings.retention_days and now - self.last_collect >= COLLECT_EVERY_S:
+                if self.settings.retention_days and (self.collect_after is not None
+                                                     or now - self.last_collect >= COLLECT_EVERY_S):
+                    # NOTE: a few batches a pass, going on where the last pass stopped: a pass stays short
+                    # (the lock's timeout, and leases to expire), however many jobs a first collection meets.
                     done = retention.collect(db, cutoff=utcnow() - timedelta(days=self.settings.retention_days),
-                                             storage_dir=self.settings.resolved_storage_dir)
-                    self.last_collect = now
+                                             storage_dir=self.settings.resolved_storage_dir,
+                                             after=self.collect_after or "", max_batches=COLLECT_BATCHES)
+                    self.collect_after = done.resume_after
+                    if done.resume_after is None:
+                        self.last_collect = now
                     log.info("retention: %s", done.as_dict())
                     if self.on_collect is not None:
                         self.on_collect(done)

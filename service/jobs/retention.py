@@ -8,6 +8,7 @@ terminal state that finished before the cutoff is touched: a live one never is. 
 transaction; a folder is removed after its batch commits (a failed removal is retried by the next run).
 """
 
+import itertools
 import shutil
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -35,21 +36,24 @@ class Collected:
     metric_points: int = 0
     events: int = 0
     folders: int = 0
+    resume_after: str | None = None  # where a run cut short by max_batches goes on; None once it went through
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "resume_after"}
 
 
-def collect(db: Session, *, cutoff: datetime, storage_dir: Path, dry_run: bool = False,
-            batch: int = BATCH) -> Collected:
-    """Delete the rows and folders of the jobs that finished before cutoff; dry_run counts them only."""
-    done, after = Collected(), ""
-    while True:
+def collect(db: Session, *, cutoff: datetime, storage_dir: Path, dry_run: bool = False, batch: int = BATCH,
+            after: str = "", max_batches: int | None = None) -> Collected:
+    """Delete the rows and folders of the jobs that finished before cutoff (of ids past `after`); dry_run
+    counts them only. With max_batches, stops after that many and says where to go on (resume_after)."""
+    done = Collected()
+    for _ in range(max_batches) if max_batches is not None else itertools.count():
         ids = list(db.scalars(select(Job.id).where(Job.status.in_(list(TERMINAL)), Job.finished_at < cutoff,
                                                    Job.id > after).order_by(Job.id).limit(batch)))
         if not ids:
+            done.resume_after = None
             return done
-        after = ids[-1]
+        after = done.resume_after = ids[-1]
         touched: set[str] = set()
         for field, table in TABLES:
             rows = db.execute(select(table.job_id, func.count()).where(table.job_id.in_(ids))
@@ -68,3 +72,4 @@ def collect(db: Session, *, cutoff: datetime, storage_dir: Path, dry_run: bool =
         db.commit()
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
+    return done  # cut short: resume_after says where the next run goes on
