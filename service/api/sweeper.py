@@ -22,7 +22,7 @@ from service.workers import service as workers
 
 log = logging.getLogger(__name__)
 COLLECT_EVERY_S = 3600.0  # retention, when TRAINJOBS_RETENTION_DAYS is set
-COLLECT_BATCHES = 5  # of retention.BATCH jobs, per sweeper pass
+COLLECT_BATCHES = 5  # of retention.BATCH jobs, per sweeper pass (a 200-job batch of 200k points: 0.25 s here)
 
 
 class Sweeper:
