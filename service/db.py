@@ -54,8 +54,10 @@ def make_engine(url: str) -> Engine:
 
         return engine
     # NOTE: a bounded connect: a host out of reach (not refusing) would otherwise hold a supervisor for the TCP
-    # timeout, minutes, past its lease.
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20,
+    # timeout, minutes, past its lease. pool_size covers the API's 40 threadpool threads: a smaller pool closes
+    # each connection past it when it is returned, so a busy API opened a PostgreSQL connection (a backend
+    # process) for most requests. Connections open only as they are needed: a worker keeps its few.
+    return create_engine(url, pool_pre_ping=True, pool_size=40, max_overflow=10,
                          connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
 
 

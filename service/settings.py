@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     reconcile_s: float = Field(30.0, gt=0)
     # ... and finds expired leases (lost workers) and retries whose backoff is over, this often.
     sweep_s: float = Field(2.0, gt=0)
+    # Retention (service/jobs/retention.py): off unless set; the sweeper then collects once an hour.
+    retention_days: float | None = Field(None, gt=0, description="finished jobs' logs, metric points, events and "
+                                         "folders are deleted this many days after they ended (rows stay)")
 
     # Many machines (service/workers/, worker/gang.py).
     gang_timeout_s: float = Field(60.0, gt=0, description="a multi-node gang not formed by then goes back "

@@ -11,8 +11,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from sqlalchemy import create_engine, func, insert, inspect, select
-from sqlalchemy.orm import Session
+from sqlalchemy import create_engine, func, insert, select
 
 from service.jobs.models import Job
 from service.jobs.queue import PRIORITIES, get_queue
@@ -20,6 +19,22 @@ from trainjobs import runenv
 from trainjobs.runenv import RUN_TAG_ENV
 from trainjobs.states import TERMINAL
 from worker import launch
+
+
+def insert_old_job(db) -> str:
+    """A queued job's row of the columns every revision since 0003 has (so not 0011's version): Core, not the
+    ORM, whose row has every column of the newest revision. For tests that migrate a database holding jobs."""
+    from service.db import utcnow
+    from service.jobs import service as jobs
+    from tests.conftest import mlp_spec
+    from trainjobs.paths import new_job_id
+    from trainjobs.spec import JobSpec
+
+    spec = JobSpec.model_validate(mlp_spec())
+    job_id = new_job_id()
+    db.execute(insert(Job.__table__).values(id=job_id, name=spec.name, spec=spec, spec_hash=jobs.hash_spec(spec),
+                                            status="queued", priority=spec.priority, created_at=utcnow()))
+    return job_id
 
 
 def count_jobs(url: str) -> int:
@@ -126,22 +141,3 @@ def run_torchrun(spec: dict, run_dir: Path, *, attempt: int = 1, job_dir: Path |
 def queued_ids(redis, prefix: str) -> list[str]:
     """Every job id on the RQ queues of a prefix; an id enqueued twice appears twice."""
     return [i for p in PRIORITIES for i in get_queue(redis, prefix, p).get_job_ids()]
-
-
-def insert_job(db) -> str:
-    """A job row, with only the columns the database has at its revision (a later one may add some)."""
-    from service.jobs import service as jobs
-    from service.models import Base
-    from tests.conftest import mlp_spec
-    from trainjobs.spec import JobSpec
-
-    scratch = create_engine("sqlite://")  # the row as the service makes it, at the models' revision
-    Base.metadata.create_all(scratch)
-    with Session(scratch) as made:
-        job = jobs.create(made, spec=JobSpec.model_validate(mlp_spec()))
-        made.flush()
-        values = {c.name: getattr(job, c.key) for c in Job.__table__.columns}
-    scratch.dispose()
-    present = {c["name"] for c in inspect(db.connection()).get_columns("jobs")}
-    db.execute(insert(Job.__table__).values({k: v for k, v in values.items() if k in present and v is not None}))
-    return values["id"]

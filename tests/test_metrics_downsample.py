@@ -13,7 +13,7 @@ from service.metrics import service as metrics
 from service.metrics.downsample import downsample
 from service.metrics.models import Metric, MetricBlock
 from tests.conftest import mlp_spec
-from tests.helpers import insert_job
+from tests.helpers import insert_old_job
 
 
 def store(db_url: str, job_id: str, rows: list[tuple[int, str, float]], attempt: int = 1, node_rank: int = 0) -> None:
@@ -125,7 +125,7 @@ def test_the_migration_backfills_the_summaries_of_points_already_stored(tmp_path
     migrate.upgrade(url, "0005")
     engine = create_engine(url)
     with Session(engine) as db:
-        job_id = insert_job(db)  # with the columns of revision 0005
+        job_id = insert_old_job(db)
         db.commit()
         rows = [{"job_id": job_id, "attempt": a, "step": s, "name": "loss", "value": float(s * a), "time": utcnow()}
                 for a, steps in ((1, range(300)), (2, range(200, 300))) for s in steps]
@@ -163,7 +163,7 @@ def test_the_per_node_migration_makes_stored_points_node_0s_and_rebuilds_their_s
     migrate.upgrade(url, "0006")
     engine = create_engine(url)
     with Session(engine) as db:
-        job_id = insert_job(db)  # with the columns of revision 0005
+        job_id = insert_old_job(db)
         db.commit()
         rows = [{"job_id": job_id, "attempt": 1, "step": s, "name": "loss", "value": float(s % 7), "time": utcnow()}
                 for s in range(600)]

@@ -10,7 +10,7 @@ from service import migrate
 from service.db import utcnow
 from service.metrics.models import Metric
 from service.models import Base
-from tests.helpers import insert_job
+from tests.helpers import insert_old_job
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
@@ -27,19 +27,6 @@ def test_upgrade_is_idempotent(sqlite_url):
     migrate.upgrade(sqlite_url)  # already at head: nothing to do, nothing fails
 
 
-@pytest.fixture
-def fresh_postgres(postgres_url):
-    """An empty schema of the test database, for migrations run down and up apart from the session's tables."""
-    engine = create_engine(postgres_url)
-    with engine.begin() as conn:
-        conn.execute(text("DROP SCHEMA IF EXISTS migrations_apart CASCADE"))
-        conn.execute(text("CREATE SCHEMA migrations_apart"))
-    yield f"{postgres_url}?options=-csearch_path%3Dmigrations_apart"
-    with engine.begin() as conn:
-        conn.execute(text("DROP SCHEMA migrations_apart CASCADE"))
-    engine.dispose()
-
-
 def add_metric(db: Session, job_id: str, metric_id: int | None = None) -> int:
     values = {"job_id": job_id, "attempt": 1, "step": 1, "name": "loss", "value": 0.5, "time": utcnow()}
     if metric_id is not None:
@@ -50,7 +37,7 @@ def add_metric(db: Session, job_id: str, metric_id: int | None = None) -> int:
 def test_metric_ids_go_past_2_to_the_31(db_url):
     engine = create_engine(db_url)
     with Session(engine) as db:
-        job_id = insert_job(db)
+        job_id = insert_old_job(db)
         assert add_metric(db, job_id, 2**31 + 5) == 2**31 + 5
         if db.bind.dialect.name == "postgresql":  # a serial's next value is its sequence's, not the largest id's
             db.execute(text("SELECT setval('metrics_id_seq', :at)"), {"at": 2**31 + 5})
@@ -65,7 +52,7 @@ def test_0008_widens_metric_ids_and_its_downgrade_narrows_them_keeping_the_point
     migrate.upgrade(url, "0007")
     engine = create_engine(url)
     with Session(engine) as db:  # 0008 changes only metrics: the jobs table is the models' already
-        job_id = insert_job(db)
+        job_id = insert_old_job(db)
         kept = add_metric(db, job_id)
         db.commit()
     migrate.upgrade(url)

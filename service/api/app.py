@@ -19,11 +19,13 @@ from service.api.strict_json import refuse_non_finite
 from service.api.sweeper import Sweeper
 from service.artifacts.router import router as artifacts_router
 from service.auth import tokens
+from service.auth.cache import PrincipalCache
 from service.auth.deps import current_principal
 from service.auth.router import router as auth_router
 from service.dashboard.router import router as dashboard_router
 from service.db import UNREACHABLE, make_engine, make_sessionmaker
 from service.errors import TrainjobsError, responses
+from service.jobs.bodies import RenderedJobs
 from service.jobs.router import router as jobs_router
 from service.logs.router import router as logs_router
 from service.metrics.router import router as metrics_router
@@ -41,7 +43,8 @@ async def lifespan(app: FastAPI):
         with app.state.sessionmaker() as db:
             if tokens.bootstrap_admin(db, settings):
                 log.warning("first start: an admin token was written to %s (mode 0600)", settings.admin_token_file)
-    sweeper = Sweeper(app.state.settings, app.state.sessionmaker, app.state.redis)
+    sweeper = Sweeper(app.state.settings, app.state.sessionmaker, app.state.redis,
+                      on_collect=getattr(app.state, "count_collected", None))
     thread = threading.Thread(target=sweeper.run, name="sweeper", daemon=True)
     thread.start()
     yield
@@ -68,6 +71,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = make_engine(settings.resolved_database_url)
     app.state.sessionmaker = make_sessionmaker(app.state.engine)
     app.state.redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    app.state.principals = PrincipalCache(app.state.redis, f"{settings.queue_prefix}:auth:epoch")
+    app.state.job_bodies = RenderedJobs()
 
     @app.exception_handler(TrainjobsError)
     async def _trainjobs_error(_request: Request, exc: TrainjobsError) -> JSONResponse:

@@ -2,7 +2,8 @@
 
 Jobs by status, queued jobs and queue depths per priority, live workers and their free slots, metric points
 and the two job latencies are read at scrape time (a custom collector): the database and Redis are the truth,
-and the API process sees no worker transition and no metric a worker ships.
+and the API process sees no worker transition and no metric a worker ships. The jobs per status are counts
+kept as jobs change (service/jobs/counts.py), so a scrape costs the same at a million jobs as at ten.
 The latencies are histograms over the last LATENCY_WINDOW jobs, so their counts can fall; read them as
 gauges (histogram_quantile over the raw buckets), not with rate(). Request latency is observed in-process.
 """
@@ -13,7 +14,7 @@ from collections.abc import Iterable
 from datetime import datetime
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis import Redis
@@ -23,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.auth.deps import current_principal
+from service.jobs import counts as job_counts
 from service.jobs import queue
 from service.jobs.models import Job
 from service.metrics.models import Metric as MetricRow
@@ -70,13 +72,12 @@ class ServiceCollector(Collector):
         yield from self.collect_redis()
 
     def collect_db(self, db: Session) -> Iterable[Metric]:
-        counts = dict(db.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+        kept = job_counts.by_status_and_priority(db)  # kept as jobs change: never a count over every job
         jobs = GaugeMetricFamily("trainjobs_jobs", "Jobs by status", labels=["status"])
         for status in JobStatus:
-            jobs.add_metric([status.value], counts.get(status.value, 0))
+            jobs.add_metric([status.value], sum(n for (s, _), n in kept.items() if s == status.value))
         yield jobs
-        queued = dict(db.execute(select(Job.priority, func.count()).where(Job.status == JobStatus.QUEUED.value)
-                                 .group_by(Job.priority)).all())
+        queued = {p: n for (s, p), n in kept.items() if s == JobStatus.QUEUED.value}
         waiting = GaugeMetricFamily("trainjobs_jobs_queued", "Queued jobs by priority (the database's count, "
                                     "whether or not Redis holds them)", labels=["priority"])
         for priority in queue.PRIORITIES:
@@ -157,6 +158,10 @@ def install(app: FastAPI) -> None:
                                        app.state.settings.lease_s))
     requests = Histogram("trainjobs_http_request_duration_seconds", "API request latency",
                          ["route", "method", "status"], registry=registry)
+    deleted = Counter("trainjobs_gc_deleted", "What retention deleted in this process's sweeper (jobs touched, "
+                      "log chunks, metric points, events, folders); `trainjobs gc` prints its own", ["kind"],
+                      registry=registry)
+    app.state.count_collected = lambda done: [deleted.labels(kind).inc(n) for kind, n in done.as_dict().items()]
     app.state.prometheus = registry
     app.add_middleware(RequestLatency, histogram=requests)
     app.include_router(router, dependencies=[Depends(current_principal)])  # a token, like /v1

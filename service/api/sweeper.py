@@ -1,4 +1,5 @@
-"""The sweeper inside the API: lost workers, retries due, and the queue rebuilt from the database.
+"""The sweeper inside the API: lost workers, retries due, the queue rebuilt from the database, and the job
+counts' deltas folded (service/jobs/counts.py).
 
 One pass at a time across API replicas (a Redis lock). Every change it makes is the same
 compare-and-set a worker would make, so a worker that wakes up late finds its job gone and stops.
@@ -7,29 +8,37 @@ compare-and-set a worker would make, so a worker that wakes up late finds its jo
 import logging
 import threading
 import time
+from collections.abc import Callable
+from datetime import timedelta
 
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import UNREACHABLE
-from service.jobs import lifecycle, queue
+from service.db import UNREACHABLE, utcnow
+from service.jobs import counts, lifecycle, queue, retention
 from service.settings import Settings
 from service.workers import pending
 from service.workers import service as workers
 
 log = logging.getLogger(__name__)
+COLLECT_EVERY_S = 3600.0  # retention, when TRAINJOBS_RETENTION_DAYS is set
+COLLECT_BATCHES = 5  # of retention.BATCH jobs, per sweeper pass (a 200-job batch of 200k points: 0.25 s here)
 
 
 class Sweeper:
     """Runs in a thread of the API: leases and due retries every sweep_s, the full reconcile every reconcile_s."""
 
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], redis: Redis):
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], redis: Redis,
+                 on_collect: Callable[[retention.Collected], object] | None = None):
         self.settings, self.sessions, self.redis = settings, sessions, redis
+        self.on_collect = on_collect  # /metrics counts what retention deleted
         self.stop = threading.Event()
         # NOTE: after an outage of the database or Redis, wait one lease before declaring workers lost:
         # their renewals failed for the same reason, and they deserve the chance to renew first.
         self.healthy_since: float | None = None
         self.last_reconcile = -float("inf")
+        self.last_collect = -float("inf")
+        self.collect_after: str | None = None  # a collection under way goes on after this job id
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -59,6 +68,21 @@ class Sweeper:
                     workers.prune(db)
                     self.last_reconcile = now
                 db.commit()
+                counts.compact(db)  # apart: a short transaction on the count rows
+                db.commit()
+                if self.settings.retention_days and (self.collect_after is not None
+                                                     or now - self.last_collect >= COLLECT_EVERY_S):
+                    # NOTE: a few batches a pass, going on where the last pass stopped: a pass stays short
+                    # (the lock's timeout, and leases to expire), however many jobs a first collection meets.
+                    done = retention.collect(db, cutoff=utcnow() - timedelta(days=self.settings.retention_days),
+                                             storage_dir=self.settings.resolved_storage_dir,
+                                             after=self.collect_after or "", max_batches=COLLECT_BATCHES)
+                    self.collect_after = done.resume_after
+                    if done.resume_after is None:
+                        self.last_collect = now
+                    log.info("retention: %s", done.as_dict())
+                    if self.on_collect is not None:
+                        self.on_collect(done)
         except UNREACHABLE as exc:  # an outage: one line per pass, not a traceback
             self.healthy_since = None
             log.warning("sweeper cannot reach the database (%s); will retry", type(exc).__name__)

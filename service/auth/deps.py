@@ -4,9 +4,11 @@ import ipaddress
 from typing import Annotated
 
 from fastapi import Depends, Request
-from sqlalchemy import select
+from sqlalchemy import Row, select
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
-from service.auth.tokens import ADMIN_USER, Principal, authenticate
+from service.auth.tokens import ADMIN_USER, Principal, authenticate, hash_secret
 from service.errors import Forbidden, JobNotFound, TrainjobsError
 from service.jobs.models import Job
 
@@ -31,7 +33,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def current_principal(request: Request) -> Principal:
+async def current_principal(request: Request) -> Principal:
+    """The caller. A token seen lately is answered from the process's cache (service/auth/cache.py), with no
+    thread and no database; the rest is authenticated in the threadpool, in a short session of its own."""
     settings = request.app.state.settings
     if not settings.auth:
         server = request.scope.get("server")
@@ -39,19 +43,31 @@ def current_principal(request: Request) -> Principal:
             raise Unauthorized("auth is off, which serves loopback only")
         return LOCAL_ADMIN
     scheme, _, secret = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secret.strip():
+    secret = secret.strip()
+    if scheme.lower() != "bearer" or not secret:
         raise Unauthorized("missing bearer token: send Authorization: Bearer <token>")
-    with request.app.state.sessionmaker() as db:  # its own short session (see owned_job_id)
-        principal = authenticate(db, secret.strip())
+    cache = request.app.state.principals
+    if cache.due():
+        await run_in_threadpool(cache.refresh)
+    digest = hash_secret(secret)
+    principal, generation = cache.get(digest)
     if principal is None:
-        raise Unauthorized("invalid, revoked or expired token")
+        principal = await run_in_threadpool(authenticate_in_session, request.app.state.sessionmaker, secret)
+        if principal is None:
+            raise Unauthorized("invalid, revoked or expired token")
+        cache.put(digest, principal, principal.expires_at, generation)
     return principal
+
+
+def authenticate_in_session(factory: sessionmaker[Session], secret: str) -> Principal | None:
+    with factory() as db:
+        return authenticate(db, secret)
 
 
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 
 
-def admin_only(principal: PrincipalDep) -> Principal:
+async def admin_only(principal: PrincipalDep) -> Principal:
     if not principal.is_admin:
         raise Forbidden("this needs an admin token", field="Authorization")
     return principal
@@ -60,12 +76,20 @@ def admin_only(principal: PrincipalDep) -> Principal:
 AdminDep = Annotated[Principal, Depends(admin_only)]
 
 
+def visible_job(db: Session, *, job_id: str, principal: Principal) -> Row:
+    """The job's (owner, status, version) if the caller may see it, in one indexed read; someone else's job is
+    a 404, as if it did not exist. The version is the ETag of its read (service/api/etag.py)."""
+    row = (db.execute(select(Job.owner, Job.status, Job.version).where(Job.id == job_id)).first()
+           if len(job_id) <= 64 else None)
+    if row is None or not (principal.is_admin or row.owner == principal.user):
+        raise JobNotFound(job_id)
+    return row
+
+
 def owned_job_id(job_id: str, principal: PrincipalDep, request: Request) -> str:
     """The path's job id if the caller may see that job; someone else's job is a 404, as if it did not exist."""
     with request.app.state.sessionmaker() as db:  # short: an SSE stream must not hold a transaction open
-        owner = db.scalar(select(Job.owner).where(Job.id == job_id)) if len(job_id) <= 64 else None
-    if owner is None or not (principal.is_admin or owner == principal.user):
-        raise JobNotFound(job_id)
+        visible_job(db, job_id=job_id, principal=principal)
     return job_id
 
 

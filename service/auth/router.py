@@ -3,7 +3,7 @@
 from datetime import datetime, timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from service.api.deps import SessionDep
@@ -57,10 +57,12 @@ class Me(BaseModel):
 
 
 @router.post("/tokens", status_code=201, response_model=TokenCreated, responses=responses(400, 403, 413))
-def create_token(body: TokenCreate, db: SessionDep, _admin: AdminDep) -> TokenCreated:
+def create_token(body: TokenCreate, request: Request, db: SessionDep, _admin: AdminDep) -> TokenCreated:
     expires_at = utcnow() + timedelta(seconds=body.expires_in_s) if body.expires_in_s else None
     row, secret = tokens.create(db, name=body.name, user=body.user or body.name, role=body.role,
                                 expires_at=expires_at, can_run_entrypoints=body.can_run_entrypoints)
+    if body.can_run_entrypoints is not None:  # the user's other tokens' cached principals carry the old right
+        request.app.state.principals.revoke_everywhere()
     return TokenCreated(**TokenPublic.model_validate(row).model_dump(), token=secret)
 
 
@@ -71,8 +73,11 @@ def list_tokens(db: SessionDep, principal: PrincipalDep) -> TokensPublic:
 
 
 @router.delete("/tokens/{token_id}", response_model=TokenPublic, responses=responses(404))
-def revoke_token(token_id: Annotated[str, Path(max_length=32)], db: SessionDep, principal: PrincipalDep):
-    return TokenPublic.model_validate(tokens.revoke(db, token_id=token_id, principal=principal))
+def revoke_token(token_id: Annotated[str, Path(max_length=32)], request: Request, db: SessionDep,
+                 principal: PrincipalDep):
+    row = tokens.revoke(db, token_id=token_id, principal=principal)  # committed: a process that reads again sees it
+    request.app.state.principals.revoke_everywhere()
+    return TokenPublic.model_validate(row)
 
 
 @router.get("/me", response_model=Me)

@@ -35,6 +35,7 @@ class Principal:
     role: str
     token_id: str | None
     can_run_entrypoints: bool
+    expires_at: datetime | None = None  # the token's: a cached principal is not used past it
 
     @property
     def is_admin(self) -> bool:
@@ -93,7 +94,7 @@ def authenticate(db: Session, secret: str) -> Principal | None:
         db.execute(update(ApiToken).where(ApiToken.id == row.id).values(last_used_at=now))
         db.commit()
     return Principal(user=row.user, role=row.role, token_id=row.id,
-                     can_run_entrypoints=row.role == "admin" or bool(owner_may_run))
+                     can_run_entrypoints=row.role == "admin" or bool(owner_may_run), expires_at=row.expires_at)
 
 
 def visible(db: Session, principal: Principal) -> list[ApiToken]:

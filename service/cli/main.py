@@ -12,6 +12,7 @@ import yaml
 from rich.console import Console
 from rich.text import Text
 
+from service.cli import gc as gc_cli
 from service.cli import run as run_cli
 from service.cli import tables
 from service.cli import tokens as auth_cli
@@ -268,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     workers.set_defaults(remote=cmd_workers)
     run_cli.register(sub)
     auth_cli.register(sub)
+    gc_cli.register(sub)
     return parser
 
 

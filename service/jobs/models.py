@@ -3,7 +3,7 @@
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -56,8 +56,14 @@ class Job(Base):
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # trainjobs/plan.py's Plan
     pending_reason: Mapped[str | None] = mapped_column(Text)  # why no worker takes it (the sweeper says)
+    # Bumped by the database on every UPDATE of the row (a trigger, migrations/versions/0011): a read's ETag.
+    version: Mapped[int] = mapped_column(Integer, server_default="1")
 
-    __table_args__ = (UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),)
+    __table_args__ = (
+        UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
+        Index("ix_jobs_owner_id", "owner", "id"),  # a user's list, newest first
+        Index("ix_jobs_owner_status_id", "owner", "status", "id"),  # ...of one status; their quota's count
+    )
 
 
 class Attempt(Base):
@@ -95,3 +101,25 @@ class JobEvent(Base):
     detail: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (Index("ix_job_events_job_time", "job_id", "time"),)
+
+
+class JobCount(Base):
+    """Jobs per status and priority, up to the last compaction (service/jobs/counts.py)."""
+
+    __tablename__ = "job_counts"
+
+    status: Mapped[str] = mapped_column(String(16), primary_key=True)
+    priority: Mapped[str] = mapped_column(String(8), primary_key=True)
+    n: Mapped[int] = mapped_column(BigInteger)
+
+
+class JobCountDelta(Base):
+    """+1 / -1 per job row inserted, deleted or moved to another status or priority: written by triggers on
+    jobs (migrations/versions/0012), appended only, so no two writers ever wait on one counter row."""
+
+    __tablename__ = "job_count_deltas"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    status: Mapped[str] = mapped_column(String(16))
+    priority: Mapped[str] = mapped_column(String(8))
+    n: Mapped[int] = mapped_column(Integer)

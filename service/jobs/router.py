@@ -7,11 +7,12 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from redis.exceptions import RedisError
 
 from service.api.deps import RedisDep, SessionDep, SettingsDep
-from service.api.etag import json_with_etag
-from service.auth.deps import JobIdDep, PrincipalDep
+from service.api.etag import bytes_with_etag, job_etag, not_modified
+from service.auth.deps import JobIdDep, PrincipalDep, visible_job
 from service.auth.limits import check_submission
 from service.errors import GatewayTimeout, InvalidTransition, responses
 from service.jobs import lifecycle, queue, service
+from service.jobs.bodies import page_body
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
 from service.packages import service as packages
 from service.workers import service as worker_rows
@@ -71,14 +72,35 @@ def list_jobs(
     cursor: Annotated[str | None, Query(pattern=r"^[0-9a-f]{20}$", description="the last page's next_cursor")] = None,
 ):
     owner = owner if principal.is_admin else principal.user
-    jobs, next_cursor = service.list_jobs(db, status=status, limit=limit, cursor=cursor, owner=owner)
-    return json_with_etag(request, JobsPublic(items=[JobPublic.of(j) for j in jobs], next_cursor=next_cursor))
+    bodies = request.app.state.job_bodies
+    with db:  # closed in this thread (see read_job)
+        page, next_cursor = service.list_page(db, status=status, limit=limit, cursor=cursor, owner=owner)
+        found = {row.id: bodies.get(row.id, row.version) for row in page}
+        for job in service.get_many(db, job_ids=[job_id for job_id, body in found.items() if body is None]):
+            found[job.id] = bodies.render(job)  # NOTE: as it is now, if it changed since the page's read
+    # A job gone since the page's read (retention deleted it) is left out.
+    body = page_body((found[row.id] for row in page if found[row.id] is not None), next_cursor)
+    return bytes_with_etag(request, body)
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=responses(404))
-def read_job(job_id: JobIdDep, request: Request, db: SessionDep):
-    """With an ETag: an If-None-Match that names the current one gets a 304 and no body."""
-    return json_with_etag(request, JobPublic.of(service.get(db, job_id=job_id)))
+def read_job(job_id: str, request: Request, db: SessionDep, principal: PrincipalDep):
+    """With an ETag: an If-None-Match that names the current one gets a 304 and no body.
+
+    The ETag is the row's version, read with the owner check: a 304 loads and renders nothing more, and a 200
+    of a version this process rendered before loads nothing more either.
+    """
+    with db:  # closed here, in this route's thread: get_db has no transaction left to end in another
+        version = visible_job(db, job_id=job_id, principal=principal).version
+        cached = not_modified(request, job_etag(version))
+        if cached is not None:
+            return cached
+        body = request.app.state.job_bodies.get(job_id, version)
+        if body is None:
+            job = service.get(db, job_id=job_id)
+            # NOTE: the ETag of the version rendered, which a write since the owner check may have bumped
+            body, version = request.app.state.job_bodies.render(job), job.version
+    return bytes_with_etag(request, body, etag=job_etag(version))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404, 409))
@@ -123,7 +145,9 @@ def take_stacks(job_id: JobIdDep, db: SessionDep):
 
 
 @router.get("/{job_id}/attempts", response_model=AttemptsPublic, responses=responses(404))
-def list_attempts(job_id: JobIdDep, db: SessionDep):
+def list_attempts(job_id: str, db: SessionDep, principal: PrincipalDep):
     """Every attempt of the job, oldest first: where it ran, how it ended, where it resumed from."""
-    attempts = service.attempts_of(db, job_id=job_id)
-    return AttemptsPublic(data=[AttemptPublic.model_validate(a) for a in attempts], count=len(attempts))
+    with db:  # the owner check and the read in one session, closed in this thread (see read_job)
+        visible_job(db, job_id=job_id, principal=principal)
+        attempts = service.attempts_of(db, job_id=job_id)
+        return AttemptsPublic(data=[AttemptPublic.model_validate(a) for a in attempts], count=len(attempts))

@@ -63,6 +63,7 @@ def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: S
         created_at=now,
         queued_at=now,
         plan=plan.model_dump(mode="json") if plan else None,
+        version=1,  # the server default's, set here so the INSERT needs no RETURNING
     )
     db.add(job)
     db.flush()
@@ -119,23 +120,31 @@ def dispatch_view(db: Session, *, job_ids: Collection[str]) -> dict[str, Row]:
                                         .where(Job.id.in_(list(job_ids))))}
 
 
-def list_jobs(
+def list_page(
     db: Session, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None,
     owner: str | None = None,
-) -> tuple[list[Job], str | None]:
-    """Newest first; the cursor is the id of the last job of the previous page."""
+) -> tuple[list[Row], str | None]:
+    """(id, version) of a page of jobs, newest first; the cursor is the id of the last job of the previous page.
+
+    Ids and versions only (an index range, no JSON parsed): the caller loads the jobs it has not rendered.
+    """
     if cursor is not None and not is_job_id(cursor):
         raise InvalidRequest("cursor is not a value this API returned", field="cursor")
-    query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
+    query = select(Job.id, Job.version).order_by(Job.id.desc()).limit(limit + 1)
     if status is not None:
         query = query.where(Job.status == status)
     if owner is not None:
         query = query.where(Job.owner == owner)
     if cursor is not None:
         query = query.where(Job.id < cursor)
-    jobs = list(db.scalars(query))
-    next_cursor = jobs[limit - 1].id if len(jobs) > limit else None
-    return jobs[:limit], next_cursor
+    rows = db.execute(query).all()
+    next_cursor = rows[limit - 1].id if len(rows) > limit else None
+    return rows[:limit], next_cursor
+
+
+def get_many(db: Session, *, job_ids: Collection[str]) -> list[Job]:
+    """The jobs of job_ids that exist (one query)."""
+    return list(db.scalars(select(Job).where(Job.id.in_(list(job_ids))))) if job_ids else []
 
 
 def attempts_of(db: Session, *, job_id: str) -> list[Attempt]:

@@ -35,12 +35,18 @@ def stream_cursor(db: Session, *, job_id: str) -> int:
 
 
 def read_series(
-    db: Session, *, job_id: str, name: str | None = None, after_step: int | None = None, node_rank: int = 0
+    db: Session, *, job_id: str, name: str | None = None, after_step: int | None = None, node_rank: int = 0,
+    names: list[str] | None = None,
 ) -> list[dict]:
+    """The job's series (or `name`'s, or those in `names`), every point."""
     query = select(Metric.name, Metric.step, Metric.value).where(Metric.job_id == job_id,
                                                                  Metric.node_rank == node_rank)
     if name is not None:
         query = query.where(Metric.name == name)
+    if names is not None:
+        if not names:
+            return []
+        query = query.where(Metric.name.in_(names))
     if after_step is not None:
         query = query.where(Metric.step > after_step)
     series: dict[str, dict] = {}
@@ -68,14 +74,13 @@ def read_thinned(db: Session, *, job_id: str, max_points: int, name: str | None 
         if not thinned:  # NOTE: points written around insert_batch (a bulk load) have no summaries
             return thin_points(db, job_id=job_id, node_rank=node_rank, name=name, after_step=None,
                                max_points=max_points)
-        series = []
-        for series_name, (count, steps, values) in thinned.items():
-            if count < buckets:
-                series += thin_points(db, job_id=job_id, node_rank=node_rank, name=series_name, after_step=None,
-                                      max_points=max_points)
-            else:
-                series.append({"name": series_name, "steps": steps, "values": values})
-        return series
+        short = [series_name for series_name, (count, _, _) in thinned.items() if count < buckets]
+        from_points = {entry["name"]: entry for entry in thin_points(  # every short series in one read
+            db, job_id=job_id, node_rank=node_rank, names=short, after_step=None, max_points=max_points)}
+        # NOTE: a short series whose points retention deleted (service/jobs/retention.py) draws from its
+        # summaries: coarser (min, max and last per 256 steps), but still there.
+        return [from_points.get(series_name) or {"name": series_name, "steps": steps, "values": values}
+                for series_name, (_, steps, values) in thinned.items()]
     query = select(MetricBlock.name, MetricBlock.block, MetricBlock.points, MetricBlock.last_step,
                    MetricBlock.last_value, MetricBlock.min_step, MetricBlock.min_value, MetricBlock.max_step,
                    MetricBlock.max_value).where(MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank)
@@ -105,9 +110,9 @@ def read_thinned(db: Session, *, job_id: str, max_points: int, name: str | None 
     return series
 
 
-def thin_points(db: Session, *, job_id: str, name: str | None, after_step: int | None, max_points: int,
-                node_rank: int = 0) -> list[dict]:
-    series = read_series(db, job_id=job_id, node_rank=node_rank, name=name, after_step=after_step)
+def thin_points(db: Session, *, job_id: str, after_step: int | None, max_points: int, name: str | None = None,
+                names: list[str] | None = None, node_rank: int = 0) -> list[dict]:
+    series = read_series(db, job_id=job_id, node_rank=node_rank, name=name, names=names, after_step=after_step)
     for entry in series:
         entry["steps"], entry["values"] = downsample(entry["steps"], entry["values"], max_points)
     return series

@@ -1,0 +1,43 @@
+"""`trainjobs gc`: finished jobs' logs, metric points, events and folders deleted past an age (jobs/retention.py)."""
+
+import json
+from datetime import timedelta
+
+from rich.console import Console
+
+from service.cli.tokens import parse_duration
+from service.db import make_engine, make_sessionmaker, utcnow
+from service.jobs import retention
+from service.settings import Settings
+
+console = Console()
+DEFAULT_DAYS = 30
+
+
+def cmd_gc(args, settings: Settings) -> int:
+    older_than = timedelta(seconds=args.older_than) if args.older_than else timedelta(
+        days=settings.retention_days or DEFAULT_DAYS)
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        with make_sessionmaker(engine)() as db:
+            done = retention.collect(db, cutoff=utcnow() - older_than, storage_dir=settings.resolved_storage_dir,
+                                     dry_run=args.dry_run)
+    finally:
+        engine.dispose()
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "older_than_s": older_than.total_seconds(), **done.as_dict()}))
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    console.print(f"jobs finished over {older_than} ago: {verb} {done.log_chunks} log chunks, {done.metric_points} "
+                  f"metric points, {done.events} events and {done.folders} folders of {done.jobs} jobs "
+                  "(their rows and metric summaries stay)")
+    return 0
+
+
+def register(sub) -> None:
+    gc = sub.add_parser("gc", help="delete finished jobs' logs, metric points, events and folders past an age")
+    gc.add_argument("--older-than", type=parse_duration, metavar="DURATION",
+                    help=f"e.g. 30d (default: TRAINJOBS_RETENTION_DAYS, else {DEFAULT_DAYS}d)")
+    gc.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
+    gc.add_argument("--json", action="store_true", help="machine-readable output")
+    gc.set_defaults(local=cmd_gc)
