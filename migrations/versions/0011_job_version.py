@@ -1,11 +1,8 @@
 """jobs.version: a row version the database bumps on every UPDATE of a job, the ETag of its reads
 
 Revision ID: 0011
-Revises: 0009
+Revises: 0010
 Create Date: 2026-12-03 23:50:00.000000
-
-NOTE: 0010 is reserved for a migration being written on another branch; once it lands, this one's
-down_revision becomes '0010' (one line), so the history stays one line.
 
 A trigger rather than `version = version + 1` in each UPDATE: every writer (the API, the sweeper, the worker,
 a hand-run fix) bumps it, and none can forget to. Adding a NOT NULL column with a constant default is
@@ -16,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0011'
-down_revision = '0009'
+down_revision = '0010'
 branch_labels = None
 depends_on = None
 
