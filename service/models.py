@@ -2,11 +2,11 @@
 
 from service.auth.models import ApiToken, User
 from service.db import Base
-from service.jobs.models import Attempt, Job, JobCount, JobCountDelta, JobEvent
+from service.jobs.models import Attempt, Job, JobCount, JobCountDelta, JobEvent, JobTag
 from service.logs.models import LogChunk
 from service.metrics.models import Metric, MetricBlock
 from service.packages.models import Package
 from service.workers.models import Worker
 
-__all__ = ["ApiToken", "Attempt", "Base", "Job", "JobCount", "JobCountDelta", "JobEvent", "LogChunk", "Metric",
-           "MetricBlock", "Package", "User", "Worker"]
+__all__ = ["ApiToken", "Attempt", "Base", "Job", "JobCount", "JobCountDelta", "JobEvent", "JobTag", "LogChunk",
+           "Metric", "MetricBlock", "Package", "User", "Worker"]

@@ -160,9 +160,16 @@ class Client:
     def get(self, job_id: str) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}").json()
 
-    def list(self, status: str | None = None, limit: int = 20) -> dict:
-        params = {"limit": limit} | ({"status": status} if status else {})
-        return self._call("GET", "/v1/jobs", params=params).json()
+    def list(self, status: str | None = None, limit: int = 20, *, name: str | None = None,
+             tag: str | None = None) -> dict:
+        """A page of jobs, newest first; `name` matches a prefix, `tag` one of spec.tags."""
+        params = {"limit": limit, "status": status, "name": name, "tag": tag}
+        return self._call("GET", "/v1/jobs", params={k: v for k, v in params.items() if v is not None}).json()
+
+    def clone(self, job_id: str, overrides: dict | None = None) -> dict:
+        """A new job: this one's spec with `overrides` ({"optimizer.lr": 3e-4}) applied; it names its source."""
+        headers = {"Idempotency-Key": f"cli-{uuid.uuid4()}"}
+        return self._call("POST", f"/v1/jobs/{job_id}/clone", json={"set": overrides or {}}, headers=headers).json()
 
     def workers(self) -> dict:
         return self._call("GET", "/v1/workers").json()
@@ -180,6 +187,13 @@ class Client:
     def metrics(self, job_id: str, name: str | None = None, node_rank: int = 0) -> dict:
         params = {"node_rank": node_rank} | ({"name": name} if name else {})
         return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params).json()
+
+    def metrics_csv(self, job_id: str, name: str | None = None) -> Iterator[str]:
+        """Every stored point as CSV lines (step,name,value,node_rank,attempt,time), streamed."""
+        params = {"format": "csv"} | ({"name": name} if name else {})
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/metrics", params=params) as response:
+            raise_for_status(response)
+            yield from response.iter_lines()
 
     def wait(self, job_id: str, timeout: float | None = None) -> dict:
         """The job once it has ended (succeeded, failed or cancelled); TimeoutError after `timeout` seconds.

@@ -1,11 +1,12 @@
 """JobSpec: the one contract between the API, the CLI and the worker (pydantic only)."""
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from packaging.requirements import InvalidRequirement, Requirement
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainjobs import runenv
+from trainjobs.errors import InvalidRequest
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\- ]*$")]
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:=/\-]*$")]
@@ -331,3 +332,30 @@ class JobSpec(_Strict):
     @property
     def world_size(self) -> int:
         return self.resources.nnodes * self.resources.nproc_per_node
+
+
+def with_overrides(spec: JobSpec, overrides: dict[str, Any]) -> JobSpec:
+    """`spec` with each dotted path of `overrides` set ({"optimizer.lr": 3e-4}), validated as a submission is.
+
+    A path the spec does not have, or a value it refuses, is an InvalidRequest naming `set.<path>`.
+    """
+    data = spec.model_dump(mode="json")
+    for path, value in overrides.items():
+        *parents, leaf = path.split(".")
+        node: Any = data
+        for depth, part in enumerate(parents):
+            node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, dict):
+                where = ".".join(parents[: depth + 1])
+                raise InvalidRequest(f"{path!r} is not a field of the spec ({where} is "
+                                     f"{'not set in the source; set it whole' if node is None else 'not a section'})",
+                                     field=f"set.{path}")
+        if not isinstance(node, dict) or leaf not in node:
+            raise InvalidRequest(f"{path!r} is not a field of the spec", field=f"set.{path}")
+        node[leaf] = value
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise InvalidRequest(f"{where}: {first['msg']}", field=f"set.{where}" if where else "set") from None

@@ -12,6 +12,7 @@ import yaml
 from rich.console import Console
 from rich.text import Text
 
+from service.cli import experiments as experiments_cli
 from service.cli import gc as gc_cli
 from service.cli import run as run_cli
 from service.cli import tables
@@ -101,7 +102,7 @@ def cmd_stacks(args, client: Client) -> int:
 
 
 def cmd_list(args, client: Client) -> int:
-    page = client.list(status=args.status, limit=args.limit)
+    page = client.list(status=args.status, limit=args.limit, name=args.name, tag=args.tag)
     if args.json:
         return print_json(page)
     console.print(tables.jobs_table(page))
@@ -255,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="recent jobs, newest first")
     ls.add_argument("--status", choices=[s.value for s in JobStatus])
     ls.add_argument("--limit", type=int, default=20)
+    ls.add_argument("--name", help="jobs whose name starts with it")
+    ls.add_argument("--tag", help="jobs that carry this tag (spec.tags)")
     ls.add_argument("--json", action="store_true", help="the page as the API returns it")
     ls.set_defaults(remote=cmd_list)
     logs = sub.add_parser("logs", help="a job's combined output")
@@ -268,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument("--json", action="store_true", help="the list as the API returns it")
     workers.set_defaults(remote=cmd_workers)
     run_cli.register(sub)
+    experiments_cli.register(sub)
     auth_cli.register(sub)
     gc_cli.register(sub)
     return parser

@@ -56,6 +56,7 @@ class Job(Base):
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # trainjobs/plan.py's Plan
     pending_reason: Mapped[str | None] = mapped_column(Text)  # why no worker takes it (the sweeper says)
+    cloned_from: Mapped[str | None] = mapped_column(String(32))  # POST /v1/jobs/{id}/clone: the source job
     # Bumped by the database on every UPDATE of the row (a trigger, migrations/versions/0011): a read's ETag.
     version: Mapped[int] = mapped_column(Integer, server_default="1")
 
@@ -64,6 +65,17 @@ class Job(Base):
         Index("ix_jobs_owner_id", "owner", "id"),  # a user's list, newest first
         Index("ix_jobs_owner_status_id", "owner", "status", "id"),  # ...of one status; their quota's count
     )
+
+
+class JobTag(Base):
+    """One of a job's spec.tags: what the list's ?tag= filter reads (an index, not the spec's JSON)."""
+
+    __tablename__ = "job_tags"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    tag: Mapped[str] = mapped_column(String(64), primary_key=True)
+
+    __table_args__ = (Index("ix_job_tags_tag_job", "tag", "job_id"),)
 
 
 class Attempt(Base):

@@ -1,9 +1,10 @@
 import logging
 import time
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
 from service.api.deps import RedisDep, SessionDep, SettingsDep
@@ -16,7 +17,7 @@ from service.jobs.bodies import page_body
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
 from service.packages import service as packages
 from service.workers import service as worker_rows
-from trainjobs.spec import JobSpec
+from trainjobs.spec import JobSpec, with_overrides
 from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,13 @@ def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDe
     A retry with the same Idempotency-Key and spec answers 200 with the job the first one made and enqueues
     nothing (were that job lost from Redis, the reconciler enqueues it).
     """
+    return accept(spec, response=response, db=db, redis=redis, settings=settings, principal=principal,
+                  idempotency_key=idempotency_key)
+
+
+def accept(spec: JobSpec, *, response: Response, db, redis, settings, principal, idempotency_key: str | None,
+           cloned_from: str | None = None) -> JobPublic:
+    """Every check of a submission, the row committed, then the queue entry (submit and clone alike)."""
     owner = principal.user
     job = service.find_by_key(db, spec=spec, idempotency_key=idempotency_key, owner=owner) if idempotency_key else None
     created = False
@@ -47,7 +55,7 @@ def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDe
         worker_rows.check_pip(db, spec=spec, lost_after_s=settings.lease_s)
         workers = worker_rows.memory_for(db, spec=spec, lost_after_s=settings.lease_s)
         job, created = service.create_once(db, spec=spec, idempotency_key=idempotency_key, owner=owner,
-                                           workers=workers)
+                                           workers=workers, cloned_from=cloned_from)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if not created:
         response.status_code = 200
@@ -61,6 +69,26 @@ def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDe
     return JobPublic.of(job)
 
 
+class CloneRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    set: dict[Annotated[str, Field(min_length=1, max_length=200)], Any] = Field(
+        default_factory=dict, max_length=64, description='dotted spec paths and their new values, e.g. '
+        '{"optimizer.lr": 0.0003, "train.seed": 1}')
+
+
+@router.post("/{job_id}/clone", status_code=201, response_model=JobPublic,
+             responses=REPLAYED | responses(403, 404, 409, 413, 429))
+def clone_job(job_id: JobIdDep, body: CloneRequest, response: Response, db: SessionDep, redis: RedisDep,
+              settings: SettingsDep, principal: PrincipalDep, idempotency_key: IdempotencyKey = None):
+    """A new job whose spec is this one's with `set` applied (checked as a submission is); it names its source
+    (`cloned_from`). The source's strategy is the one it ran with (an "auto" was resolved when it was made)."""
+    source = service.get(db, job_id=job_id)
+    spec = with_overrides(source.spec, body.set)
+    return accept(spec, response=response, db=db, redis=redis, settings=settings, principal=principal,
+                  idempotency_key=idempotency_key, cloned_from=source.id)
+
+
 @router.get("", response_model=JobsPublic)
 def list_jobs(
     request: Request,
@@ -70,11 +98,14 @@ def list_jobs(
     owner: Annotated[str | None, Query(max_length=64, description="admins only; users see their own")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(pattern=r"^[0-9a-f]{20}$", description="the last page's next_cursor")] = None,
+    name: Annotated[str | None, Query(min_length=1, max_length=128, description="names that start with it")] = None,
+    tag: Annotated[str | None, Query(min_length=1, max_length=64, description="jobs that carry this tag")] = None,
 ):
     owner = owner if principal.is_admin else principal.user
     bodies = request.app.state.job_bodies
     with db:  # closed in this thread (see read_job)
-        page, next_cursor = service.list_page(db, status=status, limit=limit, cursor=cursor, owner=owner)
+        page, next_cursor = service.list_page(db, status=status, limit=limit, cursor=cursor, owner=owner, name=name,
+                                              tag=tag)
         found = {row.id: bodies.get(row.id, row.version) for row in page}
         for job in service.get_many(db, job_ids=[job_id for job_id, body in found.items() if body is None]):
             found[job.id] = bodies.render(job)  # NOTE: as it is now, if it changed since the page's read

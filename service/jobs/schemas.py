@@ -43,6 +43,7 @@ class JobPublic(BaseModel):
     finished_at: datetime | None
     cancel_requested_at: datetime | None
     pending_reason: str | None = None  # while queued: why no worker has taken it (no live worker fits, all busy)
+    cloned_from: str | None = None  # the job this one was cloned from (POST /v1/jobs/{id}/clone)
     warnings: list[dict[str, Any]] = []  # what a user should know while it runs: {kind, message, rank, attempt, time}
 
     @classmethod
@@ -57,7 +58,7 @@ class JobPublic(BaseModel):
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
             cancel_requested_at=job.cancel_requested_at,
             pending_reason=job.pending_reason if job.status == "queued" else None,
-            warnings=job.warnings or [],
+            warnings=job.warnings or [], cloned_from=job.cloned_from,
         )
 
 

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from service.db import utcnow
 from service.errors import IdempotencyConflict, InvalidRequest, JobNotFound
-from service.jobs.models import Attempt, Job, JobEvent
+from service.jobs.models import Attempt, Job, JobEvent, JobTag
 from trainjobs import plan as memory_plan
 from trainjobs.paths import is_job_id, new_job_id, resolve_data_path
 from trainjobs.plan import WorkerMemory
@@ -40,7 +40,7 @@ def hash_spec(spec: JobSpec) -> str:
 
 
 def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: Sequence[WorkerMemory] = (),
-           idempotency_key: str | None = None) -> Job:
+           idempotency_key: str | None = None, cloned_from: str | None = None) -> Job:
     """Insert a queued job (the caller commits, then enqueues).
 
     A job with a model gets a memory plan (against the live workers' memory); strategy "auto" is stored as
@@ -64,10 +64,13 @@ def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: S
         queued_at=now,
         plan=plan.model_dump(mode="json") if plan else None,
         version=1,  # the server default's, set here so the INSERT needs no RETURNING
+        cloned_from=cloned_from,
     )
     db.add(job)
     db.flush()
-    record_event(db, job_id=job.id, kind=JobStatus.QUEUED, detail="submitted")
+    db.add_all(JobTag(job_id=job.id, tag=tag) for tag in dict.fromkeys(spec.tags))
+    record_event(db, job_id=job.id, kind=JobStatus.QUEUED,
+                 detail=f"cloned from {cloned_from}" if cloned_from else "submitted")
     return job
 
 
@@ -80,14 +83,15 @@ def find_by_key(db: Session, *, spec: JobSpec, idempotency_key: str, owner: str 
 
 
 def create_once(db: Session, *, spec: JobSpec, idempotency_key: str | None, owner: str = DEFAULT_OWNER,
-                workers: Sequence[WorkerMemory] = ()) -> tuple[Job, bool]:
+                workers: Sequence[WorkerMemory] = (), cloned_from: str | None = None) -> tuple[Job, bool]:
     """Create and commit a job; (job, False) when a concurrent request with the same key committed first.
 
     The unique (owner, idempotency_key) decides the race: the loser's INSERT fails, it rolls back and answers
     with the winner's job, so concurrent duplicates make exactly one job.
     """
     try:
-        job = create(db, spec=spec, owner=owner, workers=workers, idempotency_key=idempotency_key)
+        job = create(db, spec=spec, owner=owner, workers=workers, idempotency_key=idempotency_key,
+                     cloned_from=cloned_from)
         db.commit()
     except IntegrityError:
         db.rollback()
@@ -122,7 +126,7 @@ def dispatch_view(db: Session, *, job_ids: Collection[str]) -> dict[str, Row]:
 
 def list_page(
     db: Session, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None,
-    owner: str | None = None,
+    owner: str | None = None, name: str | None = None, tag: str | None = None,
 ) -> tuple[list[Row], str | None]:
     """(id, version) of a page of jobs, newest first; the cursor is the id of the last job of the previous page.
 
@@ -137,6 +141,10 @@ def list_page(
         query = query.where(Job.owner == owner)
     if cursor is not None:
         query = query.where(Job.id < cursor)
+    if name:
+        query = query.where(Job.name.startswith(name, autoescape=True))
+    if tag:
+        query = query.where(Job.id.in_(select(JobTag.job_id).where(JobTag.tag == tag)))
     rows = db.execute(query).all()
     next_cursor = rows[limit - 1].id if len(rows) > limit else None
     return rows[:limit], next_cursor
