@@ -147,3 +147,51 @@ def test_the_migration_fills_in_the_tags_of_jobs_already_stored(tmp_path):
         stored = db.execute(select(JobTag.job_id, JobTag.tag)).all()
     engine.dispose()
     assert {job_id: sorted(t for j, t in stored if j == job_id) for job_id in made} == made
+
+
+def test_a_fine_tune_starts_from_another_jobs_weights_and_a_mismatch_names_the_parameter(stack, api):
+    import torch
+
+    train = {"max_steps": 20, "log_every": 5, "seed": 0, "checkpoint_every": 10}
+    source = wait_terminal(api, api.post("/v1/jobs", json=mlp_spec(name="pretrain", train=train)).json()["id"])
+    assert source["status"] == "succeeded", source["error"]
+    still = {"optimizer": {"type": "sgd", "lr": 1e-12}, "train": {"max_steps": 2, "log_every": 1, "seed": 5}}
+    tuned = {which: api.post("/v1/jobs", json=mlp_spec(name=f"tune-{which}", **still, init_from={
+        "job": source["id"], "checkpoint": which})).json()["id"] for which in ("final", "latest")}
+    wrong = api.post("/v1/jobs", json=mlp_spec(name="tune-wrong", model={"type": "mlp", "hidden": [32]},
+                                               init_from={"job": source["id"]})).json()["id"]
+    storage = stack.settings.resolved_storage_dir
+
+    def weights(job_id: str) -> dict:
+        return torch.load(storage / "jobs" / job_id / "artifacts" / "model.pt", weights_only=True)
+
+    start = weights(source["id"])
+    for which, job_id in tuned.items():
+        job = wait_terminal(api, job_id)
+        assert job["status"] == "succeeded", job["error"]
+        assert "[trainjobs] initialised the model from" in api.get(f"/v1/jobs/{job_id}/logs").text
+        # Two steps at lr 1e-12 change nothing: the fine-tune's weights are the source's (final = step 20 = latest)
+        assert all(torch.allclose(weights(job_id)[k], v, atol=1e-9) for k, v in start.items()), which
+    failed = wait_terminal(api, wrong)
+    assert failed["status"] == "failed" and failed["error"]["type"] == "ValueError"
+    assert "init_from: parameter" in failed["error"]["message"] and "[32, " in failed["error"]["message"]
+    assert failed["attempt"] == 1  # a mismatch is not retried
+
+    missing = api.post("/v1/jobs", json=mlp_spec(init_from={"job": "0123456789abcdef0123"}))
+    assert missing.status_code == 404 and missing.json()["field"] == "init_from.job"
+    no_model = api.post("/v1/jobs", json=mlp_spec(init_from={"job": failed["id"]}))
+    assert no_model.status_code == 422 and "has no final model" in no_model.json()["detail"]
+
+
+def test_an_entrypoint_is_handed_the_weights_path_in_its_environment():
+    from pathlib import Path
+
+    from trainjobs.spec import JobSpec
+    from worker import launch
+
+    spec = JobSpec.model_validate({"entrypoint": {"script": "t.py"}, "init_from": {"job": "0" * 20}})
+    plan = launch.render(spec, job_id="1" * 20, attempt=1, run_dir=Path("/runs/x"), python="/py",
+                         data_dir=Path("/data"), job_dir=Path("/storage/jobs/x"), shutdown_grace_s=5, base_env={},
+                         cpu_count=2, entry_script=Path("/s/t.py"),
+                         init_from=Path("/storage/jobs/0/artifacts/model.pt"))
+    assert plan.env["TRAINJOBS_INIT_FROM"] == "/storage/jobs/0/artifacts/model.pt"

@@ -32,6 +32,27 @@ def job_dir(storage_dir: Path, job_id: str) -> Path:
     return storage_dir / "jobs" / job_id
 
 
+MODEL_FILE = "model.pt"  # in artifacts/: the built-in runtime's final weights (plain parameter names)
+CHECKPOINT_PREFIX, CHECKPOINT_COMPLETE = "step_", "COMPLETE"  # worker/train/checkpoint.py's layout
+
+
+def latest_checkpoint(job_folder: Path) -> Path | None:
+    """The newest complete checkpoint in a job's folder (torch-free: the API checks it too)."""
+    root = job_folder / CHECKPOINTS
+    found = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if (p / CHECKPOINT_COMPLETE).is_file()] \
+        if root.is_dir() else []
+    return max(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]), default=None)
+
+
+def init_source(storage_dir: Path, job_id: str, checkpoint: str) -> Path | None:
+    """What `init_from: {job, checkpoint}` loads: the job's final model.pt, or its latest complete checkpoint."""
+    folder = job_dir(storage_dir, job_id)
+    if checkpoint == "final":
+        path = folder / ARTIFACTS / MODEL_FILE
+        return path if path.is_file() else None
+    return latest_checkpoint(folder)
+
+
 def resolve_data_path(path: str, data_dir: Path) -> Path:
     """A dataset file under data_dir; a path that escapes it is refused."""
     root = data_dir.resolve()

@@ -20,6 +20,7 @@ DATA_DIR_ENV = "TRAINJOBS_DATA_DIR"
 CHECKPOINT_DIR_ENV = "TRAINJOBS_CHECKPOINT_DIR"  # the job's, kept across attempts
 ARTIFACTS_DIR_ENV = "TRAINJOBS_ARTIFACTS_DIR"  # the job's output, served by GET /v1/jobs/{id}/artifacts
 METRICS_FILE_ENV = "TRAINJOBS_METRICS_FILE"  # where local rank 0 of each node appends its records
+INIT_FROM_ENV = "TRAINJOBS_INIT_FROM"  # spec.init_from's weights: a model.pt file or a checkpoint folder
 RUN_TAG_ENV = "TRAINJOBS_RUN_TAG"  # every process of an attempt carries it: how cancel finds them all
 
 # A job's own `env` (JobSpec.env) may set any variable but these: the service's names, and those that change how

@@ -198,6 +198,14 @@ class FaultInjection(_Strict):
         return self
 
 
+class InitFrom(_Strict):
+    """Start from another job's model weights (not its optimizer or step): a fine-tune."""
+
+    job: str = Field(pattern=r"^[0-9a-f]{20}$", description="your own job (any, for admins)")
+    checkpoint: Literal["final", "latest"] = Field("final", description="final: its artifacts/model.pt; latest: "
+                                                   "its newest complete checkpoint")
+
+
 class StragglerConfig(_Strict):
     """When a rank of the built-in runtime is named a straggler (unset: the worker's defaults)."""
 
@@ -287,6 +295,8 @@ class JobSpec(_Strict):
     fault_injection: FaultInjection | None = None
     hang: HangConfig = Field(default_factory=HangConfig)
     straggler: StragglerConfig = Field(default_factory=StragglerConfig)
+    init_from: InitFrom | None = Field(None, description="the built-in runtime loads these weights before step 0; "
+                                       "a script gets their path in TRAINJOBS_INIT_FROM")
     env: dict[EnvName, EnvValue] = Field(
         default_factory=dict, max_length=ENV_MAX_VARS,
         description="environment variables for every rank (not secrets: anyone who can read the job sees them)")

@@ -60,5 +60,6 @@ class ErrorType(StrEnum):
     ENTRYPOINT_NOT_FOUND = "entrypoint_not_found"
     PACKAGE_UNAVAILABLE = "package_unavailable"  # the worker cannot read the job's package (deleted, not shared)
     UNSAFE_PACKAGE = "unsafe_package"  # the worker's own check of the package before unpacking refused it
+    INIT_FROM_UNAVAILABLE = "init_from_unavailable"  # spec.init_from's weights are gone (deleted, collected)
     HANG = "hang"  # no progress past the hang bound (spec.hang): the ranks' stacks are on the attempt
     REQUIREMENTS_FAILED = "requirements_failed"  # pip could not install entrypoint.requirements (pip's words)

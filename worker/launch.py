@@ -16,7 +16,8 @@ from worker.redact import rank_env
 
 
 class EntrypointRefused(TrainjobsError):
-    """A job's own code that this worker will not run; `kind` becomes the job's error type."""
+    """A job this worker will not launch as it stands (its own code refused, its init_from gone); `kind` becomes
+    the job's error type."""
 
     def __init__(self, kind: ErrorType, message: str):
         super().__init__(message, field="entrypoint")
@@ -64,6 +65,7 @@ def render(
     scripts_dir: Path | None = None,
     entry_script: Path | None = None,
     gang: Gang | None = None,
+    init_from: Path | None = None,
 ) -> Launch:
     """The command line; for an entrypoint job, `entry_script` is resolve_script()'s answer (script mode)."""
     nproc = spec.resources.nproc_per_node
@@ -92,6 +94,8 @@ def render(
         "TMPDIR": str(run_dir / "tmp"),
         "PYTHONUNBUFFERED": "1",
     })
+    if init_from is not None:
+        env[runenv.INIT_FROM_ENV] = str(init_from)
     if spec.entrypoint is not None and scripts_dir is not None:
         # So `module` can live in the scripts dir, and a script can import its neighbours.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(scripts_dir), base_env.get("PYTHONPATH")) if p)

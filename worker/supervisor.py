@@ -100,6 +100,7 @@ class Supervisor:
             entry_script = launch.check_entrypoint(self.spec, allowed=self.settings.allow_entrypoints,
                                                    scripts_dir=scripts_dir)
             requirements = self._requirements(code_dir)
+            init_from = self._init_from()
         except launch.EntrypointRefused as exc:  # before anything starts: the job fails, the worker goes on
             return Outcome(JobStatus.FAILED, error={"type": exc.kind, "message": exc.message, "rank": None})
         except packages.PackageUnavailable as exc:
@@ -128,20 +129,21 @@ class Supervisor:
                     return Outcome(JobStatus.FAILED, error={"type": ErrorType.REQUIREMENTS_FAILED, "rank": None,
                                                             "message": str(exc)})
             return self._launch(job_dir=job_dir, code_dir=code_dir, scripts_dir=scripts_dir,
-                                entry_script=entry_script, python=env.python if env else sys.executable)
+                                entry_script=entry_script, python=env.python if env else sys.executable,
+                                init_from=init_from)
         finally:
             if env is not None:
                 env.release()
             shutil.rmtree(self.run_dir / "code", ignore_errors=True)  # the package's copy: outputs go to artifacts
 
     def _launch(self, *, job_dir: Path, code_dir: Path | None, scripts_dir: Path, entry_script: Path | None,
-                python: str) -> Outcome:
+                python: str, init_from: Path | None) -> Outcome:
         plan = launch.render(
             self.spec, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir, python=python,
             data_dir=self.settings.data_dir, job_dir=job_dir,
             shutdown_grace_s=self.settings.cancel_grace_s,
             base_env=launch.default_env(), cpu_count=os.cpu_count() or 1,
-            scripts_dir=scripts_dir, entry_script=entry_script, gang=self.gang,
+            scripts_dir=scripts_dir, entry_script=entry_script, gang=self.gang, init_from=init_from,
         )
         for folder in (paths.CHECKPOINTS, paths.ARTIFACTS):  # a user's script may write straight into them
             (job_dir / folder).mkdir(parents=True, exist_ok=True)
@@ -217,6 +219,18 @@ class Supervisor:
             proc.stdout.close()
             shutil.rmtree(self.run_dir / "tmp", ignore_errors=True)
         return self._outcome(exit_code, stop_reason, killed)
+
+    def _init_from(self) -> Path | None:
+        """spec.init_from's weights as they are now (the latest checkpoint at this launch); None without one."""
+        if self.spec.init_from is None:
+            return None
+        source = paths.init_source(self.settings.resolved_storage_dir, self.spec.init_from.job,
+                                   self.spec.init_from.checkpoint)
+        if source is None:
+            raise launch.EntrypointRefused(ErrorType.INIT_FROM_UNAVAILABLE, f"init_from: job "
+                                           f"{self.spec.init_from.job} has no {self.spec.init_from.checkpoint} "
+                                           "weights any more (deleted, or collected by retention)")
+        return source
 
     def _requirements(self, code_dir: Path | None) -> list[str]:
         """The job's requirement lines: the spec's list, or read from the file it names in the package."""

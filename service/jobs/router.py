@@ -11,12 +11,14 @@ from service.api.deps import RedisDep, SessionDep, SettingsDep
 from service.api.etag import bytes_with_etag, job_etag, not_modified
 from service.auth.deps import JobIdDep, PrincipalDep, visible_job
 from service.auth.limits import check_submission
-from service.errors import GatewayTimeout, InvalidTransition, responses
+from service.errors import GatewayTimeout, InvalidRequest, InvalidTransition, NotFound, responses
 from service.jobs import lifecycle, queue, service
 from service.jobs.bodies import page_body
+from service.jobs.models import Job
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
 from service.packages import service as packages
 from service.workers import service as worker_rows
+from trainjobs import paths
 from trainjobs.spec import JobSpec, with_overrides
 from trainjobs.states import JobStatus
 
@@ -52,6 +54,8 @@ def accept(spec: JobSpec, *, response: Response, db, redis, settings, principal,
         if spec.entrypoint is not None and spec.entrypoint.package is not None:  # the owner's own, or a 404
             packages.get(db, owner=owner, digest=spec.entrypoint.package, field="entrypoint.package")
         service.check_inputs(spec, data_dir=settings.data_dir)
+        if spec.init_from is not None:
+            check_init_from(db, spec, principal=principal, storage_dir=settings.resolved_storage_dir)
         worker_rows.check_pip(db, spec=spec, lost_after_s=settings.lease_s)
         workers = worker_rows.memory_for(db, spec=spec, lost_after_s=settings.lease_s)
         job, created = service.create_once(db, spec=spec, idempotency_key=idempotency_key, owner=owner,
@@ -67,6 +71,16 @@ def accept(spec: JobSpec, *, response: Response, db, redis, settings, principal,
         # Accepted all the same: the sweeper's reconcile pass enqueues it once Redis is back.
         log.exception("enqueue of job %s failed; the reconciler will retry", job.id)
     return JobPublic.of(job)
+
+
+def check_init_from(db, spec: JobSpec, *, principal, storage_dir) -> None:
+    """The job to start from is the caller's (or any, for an admin: else 404) and has the weights asked for."""
+    source = db.get(Job, spec.init_from.job)
+    if source is None or not (principal.is_admin or source.owner == principal.user):
+        raise NotFound(f"init_from.job {spec.init_from.job!r} not found", field="init_from.job")
+    if paths.init_source(storage_dir, source.id, spec.init_from.checkpoint) is None:
+        what = "final model (artifacts/model.pt)" if spec.init_from.checkpoint == "final" else "complete checkpoint"
+        raise InvalidRequest(f"init_from.job {source.id} ({source.status}) has no {what}", field="init_from.job")
 
 
 class CloneRequest(BaseModel):

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -125,6 +126,36 @@ def save_model(model: nn.Module, d: Dist, artifacts_dir: Path | None) -> Path | 
     check_owner(artifacts_dir.parent, "model.pt")  # the gather and the write take a while: look again
     os.replace(tmp, path)
     return path
+
+
+def load_weights(model: nn.Module, source: Path) -> None:
+    """Collective: another job's model weights into this one (spec.init_from), not its optimizer or step.
+
+    `source` is a model.pt (a full state dict) or a checkpoint folder (DCP: only its model part is read). Every
+    parameter must match by name and shape, else a ValueError names the first that does not.
+    """
+    expected = get_model_state_dict(model)  # names without DDP's prefix; FSDP's DTensors have the global shape
+    if source.is_dir():
+        metadata = dcp.FileSystemReader(str(source)).read_metadata().state_dict_metadata
+        found = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.items()
+                 if k.startswith("model.") and hasattr(v, "size")}
+    else:
+        full = torch.load(source, map_location="cpu", weights_only=True)
+        found = {k: tuple(v.shape) for k, v in full.items()}
+    for name, tensor in expected.items():
+        if name not in found:
+            raise ValueError(f"init_from: parameter {name!r} of this model is not in {source}")
+        if found[name] != tuple(tensor.shape):
+            raise ValueError(f"init_from: parameter {name!r} is {list(found[name])} in {source}, "
+                             f"{list(tensor.shape)} in this model")
+    if extra := sorted(set(found) - set(expected)):
+        raise ValueError(f"init_from: {source} has parameter {extra[0]!r}, which this model lacks")
+    if source.is_dir():
+        state = {"model": expected}
+        dcp.load(state, checkpoint_id=source)
+        set_model_state_dict(model, state["model"])
+    else:
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 
 
 def _rng_state() -> dict:

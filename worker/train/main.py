@@ -18,6 +18,7 @@ from trainjobs.runenv import (
     ATTEMPT_ENV,
     CHECKPOINT_DIR_ENV,
     DATA_DIR_ENV,
+    INIT_FROM_ENV,
     METRICS_FILE,
     METRICS_FILE_ENV,
     SPEC_FILE,
@@ -26,7 +27,7 @@ from trainjobs.runenv import (
 )
 from trainjobs.spec import JobSpec
 from worker.train import own_time
-from worker.train.checkpoint import Checkpointer, Position, save_model
+from worker.train.checkpoint import Checkpointer, Position, load_weights, save_model
 from worker.train.data import BatchStream, DataInfo, build_dataset, split_eval
 from worker.train.distributed import Dist, cleanup_and_exit, init_distributed, mean_across_ranks, peak_memory_mb
 from worker.train.flops import flops_per_sample, mfu, peak_flops
@@ -136,6 +137,10 @@ def build(spec: JobSpec, data_dir: Path, reporter_path: Path | None, d: Dist) ->
     latest = [checkpoints.latest() if d.is_main else None]
     dist.broadcast_object_list(latest, src=0)  # rank 0 decides, so every rank loads the same one
     position = checkpoints.load(latest[0], model, optimizer) if latest[0] else Position()
+    if latest[0] is None and (source := env_path(INIT_FROM_ENV)) is not None:  # its own checkpoint wins (a retry)
+        load_weights(model, source)
+        if d.is_main:
+            print(f"[trainjobs] initialised the model from {source}", flush=True)
     stream = BatchStream(train_set, batch_size=spec.data.batch_size, rank=d.rank, world_size=d.world_size,
                          seed=cfg.seed, epoch=position.epoch, batches_in_epoch=position.batches_in_epoch)
     fault = spec.fault_injection
