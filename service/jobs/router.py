@@ -92,7 +92,7 @@ class CloneRequest(BaseModel):
 
 
 @router.post("/{job_id}/clone", status_code=201, response_model=JobPublic,
-             responses=REPLAYED | responses(403, 404, 409, 413, 429))
+             responses=REPLAYED | responses(400, 403, 404, 409, 413, 429))
 def clone_job(job_id: JobIdDep, body: CloneRequest, response: Response, db: SessionDep, redis: RedisDep,
               settings: SettingsDep, principal: PrincipalDep, idempotency_key: IdempotencyKey = None):
     """A new job whose spec is this one's with `set` applied (checked as a submission is); it names its source
