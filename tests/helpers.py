@@ -21,7 +21,7 @@ from trainjobs.states import TERMINAL
 from worker import launch
 
 
-def insert_old_job(db) -> str:
+def insert_old_job(db, priority: str = "normal") -> str:
     """A queued job's row of the columns every revision since 0003 has (so not 0011's version): Core, not the
     ORM, whose row has every column of the newest revision. For tests that migrate a database holding jobs."""
     from service.db import utcnow
@@ -30,7 +30,7 @@ def insert_old_job(db) -> str:
     from trainjobs.paths import new_job_id
     from trainjobs.spec import JobSpec
 
-    spec = JobSpec.model_validate(mlp_spec())
+    spec = JobSpec.model_validate(mlp_spec(priority=priority))
     job_id = new_job_id()
     db.execute(insert(Job.__table__).values(id=job_id, name=spec.name, spec=spec, spec_hash=jobs.hash_spec(spec),
                                             status="queued", priority=spec.priority, created_at=utcnow()))

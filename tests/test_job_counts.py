@@ -12,6 +12,7 @@ from service.jobs import counts, lifecycle
 from service.jobs import service as jobs
 from service.jobs.models import Job, JobCountDelta
 from tests.conftest import _empty_tables, mlp_spec
+from tests.helpers import insert_old_job
 from trainjobs.spec import JobSpec
 
 
@@ -65,7 +66,7 @@ def test_0012_counts_the_jobs_already_stored(request, tmp_path, backend):
     engine = create_engine(url)
     with Session(engine) as db:
         for priority in ("normal", "normal", "low"):
-            add(db, priority=priority)
+            insert_old_job(db, priority=priority)  # the columns of revision 0011: not the models' newest
         db.execute(text("UPDATE jobs SET status = 'succeeded' WHERE priority = 'low'"))
         db.commit()
     migrate.upgrade(url)
