@@ -4,7 +4,7 @@ from sqlalchemy import create_engine, select, text
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
-from service.jobs import lifecycle
+from service.jobs import lifecycle, records
 from service.jobs import service as jobs
 from service.jobs.models import Job
 from service.jobs.schemas import JobPublic, JobsPublic
@@ -79,7 +79,7 @@ def test_a_job_etag_changes_with_every_change_of_the_job_and_never_otherwise(cli
     changed()  # → running
     for step in (5, 10):
         with Session(engine) as db:
-            lifecycle.record_progress(db, job_id=job_id, attempt=attempt, progress={"step": step})
+            records.record_progress(db, job_id=job_id, attempt=attempt, progress={"step": step})
             db.commit()
         assert client.get(f"/v1/jobs/{job_id}").json()["progress"]["step"] == step
         changed()

@@ -13,7 +13,7 @@ from sqlalchemy import func, select, update
 
 from service.db import make_engine, make_sessionmaker, utcnow
 from service.errors import InvalidTransition
-from service.jobs import lifecycle
+from service.jobs import lifecycle, records
 from service.jobs import service as jobs
 from service.jobs.models import Attempt, Job, JobEvent
 from tests.conftest import mlp_spec
@@ -204,14 +204,14 @@ def test_a_stale_attempt_changes_nothing_once_the_job_moved_to_the_next(sessions
     assert not call(sessions, lifecycle.hand_back, **old, detail="worker shutting down")
     assert not call(sessions, lifecycle.start_running, **old, detail="late")
     assert call(sessions, lifecycle.hold, **old, node_rank=0, lease_s=LEASE_S) is None
-    call(sessions, lifecycle.record_progress, **old, progress={"step": 99})
+    call(sessions, records.record_progress, **old, progress={"step": 99})
     job, attempts = state(sessions, job_id)
     assert job.status == JobStatus.RUNNING and job.attempt == 2 and job.summary is None and job.progress is None
     assert [a.status for a in attempts] == [AttemptStatus.LOST, AttemptStatus.ACTIVE]
     assert events(sessions, job_id, JobStatus.FAILED) == events(sessions, job_id, JobStatus.SUCCEEDED) == 0
     # the attempt that holds the job still writes
-    call(sessions, lifecycle.record_progress, job_id=job_id, attempt=2, progress={"step": 5})
-    call(sessions, lifecycle.record_resume, job_id=job_id, attempt=2, node_rank=0, step=4)
+    call(sessions, records.record_progress, job_id=job_id, attempt=2, progress={"step": 5})
+    call(sessions, records.record_resume, job_id=job_id, attempt=2, node_rank=0, step=4)
     assert call(sessions, lifecycle.hold, job_id=job_id, attempt=2, node_rank=0, lease_s=LEASE_S).progress_step == 5
     assert state(sessions, job_id)[1][1].resumed_from_step == 4
 

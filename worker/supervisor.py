@@ -17,7 +17,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE
-from service.jobs import lifecycle
+from service.jobs import lifecycle, records
 from service.packages.service import package_file
 from service.settings import Settings
 from trainjobs import paths, runenv
@@ -455,19 +455,19 @@ class Supervisor:
         self.logs.write(db)
         self.metrics.write(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
         for warning in self._warnings_pending:
-            lifecycle.add_warning(db, job_id=self.job_id, warning=warning)
+            records.add_warning(db, job_id=self.job_id, warning=warning)
         if self._stacks_pending is not None:
-            lifecycle.record_stacks(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
+            records.record_stacks(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
                                     stacks=self._stacks_pending)
         if self.metrics.resumed_from_step is not None:
-            lifecycle.record_resume(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
+            records.record_resume(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
                                     step=self.metrics.resumed_from_step)
         # Every node's local rank 0 reports its own series; node 0's is the job's, and its progress once it has
         # reported. Another node's moves progress only when it is ahead: a user's script that reports on global
         # rank 0 alone (RANK == 0) reports from whichever node c10d gave that rank.
         if (self.gang is None or self.metrics.last_step > held.progress_step
                 or (self.node_rank == 0 and self.metrics.last_step > 0)):
-            lifecycle.record_progress(db, job_id=self.job_id, attempt=self.attempt, progress=self._progress())
+            records.record_progress(db, job_id=self.job_id, attempt=self.attempt, progress=self._progress())
 
     def _progress(self) -> dict:
         # An entrypoint's total is what its script reported (report(total_steps=...)), if anything.

@@ -280,46 +280,6 @@ def hold(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: flo
                 progress_step=(job.progress or {}).get("step") or 0, stacks_requested_at=job.stacks_requested_at)
 
 
-def record_stacks(db: Session, *, job_id: str, attempt: int, node_rank: int, stacks: dict) -> None:
-    """The ranks' stacks (a hang's, or asked for) on this node's attempt; a hang is an event of the job too."""
-    db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt,
-                                     Attempt.node_rank == node_rank).values(stacks=stacks))
-    if stacks.get("reason") == "hang":
-        record_event(db, job_id=job_id, kind="hung", detail=stacks.get("message"))
-
-
-def add_warning(db: Session, *, job_id: str, warning: dict) -> None:
-    """Something a user should know about a job that still runs (a straggler), kept on the job and as an event.
-
-    The caller holds the job's row lock (hold), so appending to the list races no other writer."""
-    warnings = db.execute(select(Job.warnings).where(Job.id == job_id)).scalar_one_or_none() or []
-    stamped = {**warning, "time": utcnow().isoformat()}
-    db.execute(update(Job).where(Job.id == job_id).values(warnings=[*warnings, stamped][-WARNINGS_KEPT:]))
-    record_event(db, job_id=job_id, kind=warning["kind"], detail=warning["message"])
-
-
-WARNINGS_KEPT = 50
-
-
-def request_stacks(db: Session, *, job_id: str) -> datetime | None:
-    """Ask the running job's supervisors for every rank's stack; the request's time, None unless it runs."""
-    asked = utcnow()
-    done = db.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING)
-                      .values(stacks_requested_at=asked)).rowcount
-    db.commit()
-    return asked if done else None
-
-
-def record_progress(db: Session, *, job_id: str, attempt: int, progress: dict) -> None:
-    db.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt).values(progress=progress))
-
-
-def record_resume(db: Session, *, job_id: str, attempt: int, node_rank: int, step: int) -> None:
-    """The attempt's ranks loaded the checkpoint of `step`."""
-    db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt,
-                                     Attempt.node_rank == node_rank).values(resumed_from_step=step))
-
-
 # --- an attempt ends -----------------------------------------------------------------------------------------
 
 def close_attempt(db: Session, *, job_id: str, attempt: int, status: AttemptStatus, error: dict | None = None,

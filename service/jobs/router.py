@@ -12,7 +12,7 @@ from service.api.etag import bytes_with_etag, job_etag, not_modified
 from service.auth.deps import JobIdDep, PrincipalDep, visible_job
 from service.auth.limits import check_submission
 from service.errors import GatewayTimeout, InvalidRequest, InvalidTransition, NotFound, responses
-from service.jobs import lifecycle, queue, service
+from service.jobs import lifecycle, queue, records, service
 from service.jobs.bodies import page_body
 from service.jobs.models import Job
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
@@ -171,7 +171,7 @@ def take_stacks(job_id: JobIdDep, db: SessionDep):
     request when it next renews its lease); 504 if it has not within 15 s (they stay on the attempt, shown by
     GET .../attempts, once taken).
     """
-    asked = lifecycle.request_stacks(db, job_id=job_id)
+    asked = records.request_stacks(db, job_id=job_id)
     job = service.get(db, job_id=job_id)
     if asked is None:
         raise InvalidTransition(f"job {job_id} is {job.status}: only a running job's ranks have stacks", field="status")
