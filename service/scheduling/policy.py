@@ -1,0 +1,453 @@
+"""Who runs next: the pool's one scheduling decision, pure (no I/O, no clock): a snapshot in, a plan out.
+
+The dispatch path (worker/dispatch.py), the sweeper (pending reasons, preemptions) and GET /v1/queue call
+`plan` on a snapshot of the database (service/scheduling/service.py); bench/scheduler_sim.py calls the same
+function on a simulated month. The rules, in order:
+
+1. **Priority**: `high` before `normal` before `low` (the job's priority now: aging may have raised it).
+2. **Fair share** (policy "fair", the default): among jobs of one priority, the owner who has used the least
+   of the pool recently goes first. Usage is device-seconds (slots × nodes × seconds running), decayed with a
+   half-life, divided by the weight; teams share first (the team's usage ÷ the team's weight), then the
+   team's users (a user without a team is a team of one). Within one owner, first come first served. Placing
+   a job in the order charges its owner (and team) what the job would use until its timeout (at most
+   CHARGE_CAP_S), so one owner's jobs interleave with the others' rather than all going first.
+   Policy "fifo": priority, then submission order.
+3. **Quotas**: a team's or a user's `max_slots` bounds the slots its running jobs hold at once; a job over
+   it waits (never fails), whatever its place.
+4. **Reservations**: a job that needs more than one worker (a gang) and has waited `reserve_after_s` (the
+   oldest such one) reserves the fitting workers that free up first; those finish what they run and take
+   only a job whose timeout ends before the reservation is expected to be filled (backfill). A gang that is
+   forming (its node 0 claimed) holds the free workers it still needs the same way.
+5. **Preemption**: a job of spec priority `high` that has waited `preempt_after_s` and that no free worker
+   fits preempts running jobs of strictly lower spec priority that are preemptible and have run
+   `min_runtime_s`: the fewest that free a fit, the most over their share first.
+
+Assignments are best-fit (the fitting free worker with the fewest slots, then by id), so a small job does
+not take the big worker a later big job needs. A worker is only offered the jobs assigned to it: every
+worker that polls computes the same plan from the same rows, and the claim's compare-and-set decides races.
+"""
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from service.workers import fit
+
+PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
+CHARGE_CAP_S = 3600.0  # what one placed job charges its owner in the ordering: slots × min(timeout, this)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A queued job."""
+
+    id: str
+    owner: str
+    priority: str  # now (aging raises it)
+    spec_priority: str  # as submitted: what preemption compares
+    submitted: float  # seconds (any epoch, the same as `now`): FIFO within an owner
+    queued: float  # when it entered the queue this time: waits are counted from here
+    need: fit.Need
+    timeout_s: float
+    not_before: float | None = None  # a retry's backoff
+
+
+@dataclass(frozen=True)
+class Running:
+    """A job holding workers (starting or running)."""
+
+    id: str
+    owner: str
+    spec_priority: str
+    slots: int  # per node
+    nodes: int
+    started: float  # this attempt
+    timeout_s: float
+    workers: tuple[str, ...]  # the workers its nodes hold so far (a forming gang holds fewer than `nodes`)
+    need: fit.Need | None = None  # a forming gang's: which free workers may join it
+    eta_s: float | None = None  # from its progress
+    preemptible: bool = True
+    preempt_requested: bool = False
+
+    @property
+    def forming(self) -> bool:
+        return len(self.workers) < self.nodes
+
+
+@dataclass(frozen=True)
+class Node:
+    """A live worker (fit.Offer's fields) and the job it runs, if any."""
+
+    id: str
+    device: str
+    slots: int
+    memory_bytes: int | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    running: str | None = None
+
+
+@dataclass(frozen=True)
+class Account:
+    """A user's standing: team, weight, quota."""
+
+    team: str | None = None
+    weight: float = 1.0
+    max_slots: int | None = None
+
+
+@dataclass(frozen=True)
+class Team:
+    weight: float = 1.0
+    max_slots: int | None = None
+
+
+@dataclass(frozen=True)
+class Settings:
+    policy: str = "fair"  # fair | fifo
+    preempt_after_s: float = 60.0
+    min_runtime_s: float = 600.0
+    reserve_after_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    waiting: Sequence[Waiting]
+    running: Sequence[Running]
+    nodes: Sequence[Node]
+    usage: Mapping[str, float] = field(default_factory=dict)  # owner -> decayed device-seconds, running included
+    accounts: Mapping[str, Account] = field(default_factory=dict)
+    teams: Mapping[str, Team] = field(default_factory=dict)
+    settings: Settings = Settings()
+
+
+@dataclass
+class Place:
+    """One waiting job's place in the plan."""
+
+    job_id: str
+    owner: str
+    position: int  # 1 = next
+    reason: str | None  # None: it starts now (workers assigned)
+    workers: list[str] = field(default_factory=list)  # assigned: these may take it
+    estimated_start: float | None = None  # `now` for those that start now
+
+
+@dataclass(frozen=True)
+class Preemption:
+    victim: str
+    for_job: str
+    detail: str
+
+
+@dataclass
+class Reservation:
+    job_id: str
+    workers: list[str]
+    held: int  # of them, free now
+    fill_at: float | None  # when the last of them is expected free (by timeouts): backfill must end before
+
+
+@dataclass
+class Plan:
+    order: list[Place]
+    preemptions: list[Preemption]
+    reservation: Reservation | None
+    shares: dict[str, float]  # owner -> usage ÷ weight (the user's; teams' in team_shares)
+    team_shares: dict[str, float]
+
+    def for_worker(self, worker_id: str) -> list[str]:
+        """The jobs this worker may take, in order."""
+        return [p.job_id for p in self.order if worker_id in p.workers]
+
+    def place(self, job_id: str) -> Place | None:
+        return next((p for p in self.order if p.job_id == job_id), None)
+
+
+def decayed(value: float, elapsed_s: float, half_life_s: float) -> float:
+    """Usage `elapsed_s` later: halved every half_life_s."""
+    return value * 0.5 ** (max(0.0, elapsed_s) / half_life_s) if half_life_s > 0 else value
+
+
+def team_of(owner: str, accounts: Mapping[str, Account]) -> str:
+    """The owner's team; a user without one is a team of one (named by the user, marked so no team clashes)."""
+    team = accounts.get(owner, Account()).team
+    return team if team else f"user:{owner}"
+
+
+def order(snap: Snapshot) -> list[Waiting]:
+    """The waiting jobs in the order they would start (priority, then fair share or FIFO, then FIFO)."""
+    by_priority: dict[int, list[Waiting]] = defaultdict(list)
+    for job in snap.waiting:
+        by_priority[PRIORITY_RANK.get(job.priority, 1)].append(job)
+    out: list[Waiting] = []
+    for rank in sorted(by_priority):
+        jobs = sorted(by_priority[rank], key=lambda j: (j.submitted, j.id))
+        if snap.settings.policy == "fifo":
+            out.extend(jobs)
+            continue
+        out.extend(_fair_order(jobs, snap))
+    return out
+
+
+def _fair_order(jobs: list[Waiting], snap: Snapshot) -> list[Waiting]:
+    accounts, teams = snap.accounts, snap.teams
+    user_use = {j.owner: snap.usage.get(j.owner, 0.0) for j in jobs}
+    team_use: dict[str, float] = defaultdict(float)
+    for owner, used in snap.usage.items():
+        team_use[team_of(owner, accounts)] += used
+    queues: dict[str, list[Waiting]] = defaultdict(list)
+    for job in jobs:  # already in submission order
+        queues[job.owner].append(job)
+    out = []
+    while queues:
+        def key(owner: str) -> tuple:
+            team = team_of(owner, accounts)
+            team_weight = teams.get(team, Team()).weight if not team.startswith("user:") else \
+                accounts.get(owner, Account()).weight
+            user_weight = accounts.get(owner, Account()).weight
+            head = queues[owner][0]
+            return (team_use[team] / max(team_weight, 1e-9), user_use[owner] / max(user_weight, 1e-9),
+                    head.submitted, head.id)
+        owner = min(queues, key=key)
+        job = queues[owner].pop(0)
+        if not queues[owner]:
+            del queues[owner]
+        out.append(job)
+        charge = job.need.slots * job.need.nodes * min(job.timeout_s, CHARGE_CAP_S)
+        user_use[owner] += charge
+        team_use[team_of(owner, accounts)] += charge
+    return out
+
+
+def plan(snap: Snapshot) -> Plan:
+    now, cfg = snap.now, snap.settings
+    nodes = {n.id: n for n in snap.nodes}
+    running = {r.id: r for r in snap.running}
+    ordered = order(snap)
+
+    # When each live worker is expected free: now if idle; else by its job's timeout (a bound the supervisor
+    # enforces) — `eta_end` by its progress, for estimates shown to users.
+    free_by_timeout: dict[str, float] = {}
+    free_by_eta: dict[str, float] = {}
+    for n in snap.nodes:
+        job = running.get(n.running) if n.running else None
+        if n.running is None:
+            free_by_timeout[n.id] = free_by_eta[n.id] = now
+        elif job is None:  # busy with something the snapshot does not show (a job just claimed)
+            free_by_timeout[n.id] = free_by_eta[n.id] = now + CHARGE_CAP_S
+        else:
+            bound = max(now, job.started + job.timeout_s)
+            free_by_timeout[n.id] = bound
+            free_by_eta[n.id] = min(bound, now + job.eta_s) if job.eta_s is not None else bound
+    free = {n.id for n in snap.nodes if n.running is None}
+
+    # Slots held now, per user and per team, for quotas.
+    held_user: dict[str, int] = defaultdict(int)
+    held_team: dict[str, int] = defaultdict(int)
+    for r in snap.running:
+        held_user[r.owner] += r.slots * r.nodes
+        held_team[team_of(r.owner, snap.accounts)] += r.slots * r.nodes
+
+    # A forming gang holds the free workers it still needs, before anything else.
+    blocked: dict[str, str] = {}  # free worker -> why others may not take it
+    for r in snap.running:
+        if r.forming and r.need is not None:
+            want = r.nodes - len(r.workers)
+            for w in sorted((nodes[i] for i in free if fit.misfit(r.need, nodes[i]) is None),
+                            key=lambda n: (n.slots, n.id))[:want]:
+                free.discard(w.id)
+                blocked[w.id] = f"joining the forming gang of job {r.id}"
+
+    places: dict[str, Place] = {}
+    reservation = _reserve(ordered, snap, nodes, free, free_by_timeout)
+    if reservation is not None:
+        job = next(j for j in ordered if j.id == reservation.job_id)
+        if reservation.held == len(reservation.workers) and _quota_block(job, snap, held_user, held_team) is None:
+            # Filled: it starts now on its reserved workers (node 0 on any of them; the rest join the gang).
+            for w in reservation.workers:
+                free.discard(w)
+            places[job.id] = Place(job.id, job.owner, 0, None, list(reservation.workers), now)
+            _hold(job, snap, held_user, held_team)
+        else:
+            for w in reservation.workers:
+                if w in free:
+                    free.discard(w)
+                    blocked[w] = f"reserved for job {job.id} (needs {job.need.nodes} nodes)"
+
+    # Assign in order, best fit; count the jobs still waiting ahead of each one, for its reason.
+    waiting_at: dict[str, int] = defaultdict(int)  # priority -> jobs of it still waiting, so far
+    waiting_own: dict[tuple[str, str], int] = defaultdict(int)  # (owner, priority) -> of theirs, so far
+    for job in ordered:
+        if job.id in places:
+            continue
+        place = places[job.id] = Place(job.id, job.owner, 0, None)
+        fits = [nodes[i] for i in sorted(nodes) if fit.misfit(job.need, nodes[i]) is None]
+        rank = PRIORITY_RANK.get(job.priority, 1)
+        ahead = (sum(n for p, n in waiting_at.items() if PRIORITY_RANK.get(p, 1) < rank),
+                 waiting_at[job.priority] - waiting_own[job.owner, job.priority], waiting_own[job.owner, job.priority])
+        if job.not_before is not None and job.not_before > now:
+            place.reason = f"retry backoff for {job.not_before - now:.0f}s more"
+        elif len(fits) < job.need.nodes:
+            place.reason = fit.pending_reason(job.need, list(snap.nodes)) or "no live worker fits"
+        elif (why := _quota_block(job, snap, held_user, held_team)) is not None:
+            place.reason = why
+        else:
+            usable = [w for w in fits if w.id in free]
+            if reservation is not None and job.id != reservation.job_id and reservation.fill_at is not None \
+                    and now + job.timeout_s <= reservation.fill_at:
+                # backfill: a reserved free worker, for a job that ends before the reservation fills
+                usable += [w for w in fits if w.id in reservation.workers and blocked.get(w.id, "").startswith(
+                    "reserved")]
+            usable.sort(key=lambda n: (n.slots, n.id))
+            if len(usable) >= job.need.nodes:
+                chosen = usable[:job.need.nodes]
+                for w in chosen:
+                    free.discard(w.id)
+                    blocked.pop(w.id, None)
+                place.workers = [w.id for w in chosen]
+                place.estimated_start = now
+                _hold(job, snap, held_user, held_team)
+            else:
+                place.reason = _wait_reason(job, fits, free, blocked, reservation, ahead, cfg.policy)
+        if not place.workers:
+            waiting_at[job.priority] += 1
+            waiting_own[job.owner, job.priority] += 1
+    for i, job in enumerate(ordered):
+        places[job.id].position = i + 1
+    order_out = [places[j.id] for j in ordered]
+    _estimate(order_out, ordered, nodes, free_by_eta, now)
+
+    preemptions = _preempt(ordered, places, snap, nodes, running)
+    shares = {o: u / max(snap.accounts.get(o, Account()).weight, 1e-9) for o, u in snap.usage.items()}
+    team_use: dict[str, float] = defaultdict(float)
+    for owner, used in snap.usage.items():
+        team_use[team_of(owner, snap.accounts)] += used
+    team_shares = {t: u / max(snap.teams.get(t, Team()).weight, 1e-9) for t, u in team_use.items()
+                   if not t.startswith("user:")}
+    return Plan(order_out, preemptions, reservation, shares, team_shares)
+
+
+def _hold(job: Waiting, snap: Snapshot, held_user: dict, held_team: dict) -> None:
+    held_user[job.owner] += job.need.slots * job.need.nodes
+    held_team[team_of(job.owner, snap.accounts)] += job.need.slots * job.need.nodes
+
+
+def _quota_block(job: Waiting, snap: Snapshot, held_user: dict, held_team: dict) -> str | None:
+    want = job.need.slots * job.need.nodes
+    account = snap.accounts.get(job.owner, Account())
+    team = team_of(job.owner, snap.accounts)
+    team_quota = snap.teams.get(team, Team()).max_slots if not team.startswith("user:") else None
+    if team_quota is not None and held_team[team] + want > team_quota:
+        return f"over team quota {team}: {held_team[team]}/{team_quota} slots in use, needs {want}"
+    if account.max_slots is not None and held_user[job.owner] + want > account.max_slots:
+        return f"over user quota {job.owner}: {held_user[job.owner]}/{account.max_slots} slots in use, needs {want}"
+    return None
+
+
+def _wait_reason(job: Waiting, fits: list[Node], free: set[str], blocked: dict[str, str],
+                 reservation: Reservation | None, ahead: tuple[int, int, int], policy: str) -> str:
+    higher, share, own = ahead
+    if reservation is not None and reservation.job_id == job.id:
+        why = f"needs {job.need.nodes} nodes: reserved, {reservation.held} of {len(reservation.workers)} held"
+    else:
+        busy = sum(1 for w in fits if w.id not in free and w.id not in blocked)
+        held = [blocked[w.id] for w in fits if w.id in blocked]
+        why = f"waiting for a free worker: {len(fits)} fit, {busy} busy"
+        if held:
+            why += f", {len(held)} {held[0]}" + (" (backfill needs a timeout that ends before it fills)"
+                                                 if "reserved" in held[0] else "")
+        if job.need.nodes > 1:
+            why = f"needs {job.need.nodes} nodes; " + why
+    behind = []
+    if higher:
+        behind.append(f"{higher} higher-priority job(s)")
+    if share:
+        behind.append(f"{share} job(s) of users with less usage" if policy == "fair" else f"{share} earlier job(s)")
+    if own:
+        behind.append(f"{own} earlier job(s) of yours")
+    return why + ("; behind " + ", ".join(behind) if behind else "")
+
+
+def _reserve(ordered: list[Waiting], snap: Snapshot, nodes: dict[str, Node], free: set[str],
+             free_by_timeout: dict[str, float]) -> Reservation | None:
+    """The oldest job needing several workers that has waited reserve_after_s: the fitting workers free first."""
+    big = [j for j in ordered if j.need.nodes > 1 and snap.now - j.queued >= snap.settings.reserve_after_s
+           and (j.not_before is None or j.not_before <= snap.now)]
+    for job in sorted(big, key=lambda j: (j.queued, j.id)):
+        fits = [n for n in nodes.values() if fit.misfit(job.need, n) is None
+                and (n.id in free or n.running is not None)]
+        if len(fits) < job.need.nodes:
+            continue  # cannot be filled (workers lost or too few): no reservation for it
+        fits.sort(key=lambda n: (free_by_timeout[n.id], n.slots, n.id))
+        chosen = fits[:job.need.nodes]
+        held = sum(1 for n in chosen if n.id in free)
+        fill_at = max(free_by_timeout[n.id] for n in chosen)
+        return Reservation(job.id, [n.id for n in chosen], held, fill_at)
+    return None
+
+
+def _estimate(order_out: list[Place], ordered: list[Waiting], nodes: dict[str, Node], free_at: dict[str, float],
+              now: float) -> None:
+    """An estimated start for each waiting job: in order, each takes the fitting workers free soonest and holds
+    them for its timeout (the bound it may run): so an estimate errs late, never early for a job ahead."""
+    timeline = dict(free_at)
+    for place, job in zip(order_out, ordered, strict=True):
+        if place.workers:
+            for w in place.workers:
+                timeline[w] = now + job.timeout_s
+            continue
+        if place.reason and (place.reason.startswith(("no live worker", "needs", "over ")) and
+                             "fit," not in place.reason and "reserved" not in place.reason):
+            continue
+        fits = sorted((n for n in nodes.values() if fit.misfit(job.need, n) is None), key=lambda n: timeline[n.id])
+        if len(fits) < job.need.nodes:
+            continue
+        chosen = fits[:job.need.nodes]
+        start = max(timeline[n.id] for n in chosen)
+        place.estimated_start = start
+        for n in chosen:
+            timeline[n.id] = start + job.timeout_s
+
+
+def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, nodes: dict[str, Node],
+             running: dict[str, Running]) -> list[Preemption]:
+    cfg, now = snap.settings, snap.now
+    out: list[Preemption] = []
+    taken: set[str] = {r.id for r in snap.running if r.preempt_requested}  # already on their way out
+    for job in ordered:
+        place = places[job.id]
+        if (place.workers or job.spec_priority != "high" or now - job.queued < cfg.preempt_after_s
+                or (job.not_before is not None and job.not_before > now) or (place.reason or "").startswith("over ")):
+            continue
+        fits = {n.id for n in nodes.values() if fit.misfit(job.need, n) is None}
+        if len(fits) < job.need.nodes:
+            continue
+        # Workers that are (or are about to be) free for it: idle fitting ones, and those of victims in flight.
+        coming = {w for w in fits if nodes[w].running is None}
+        coming |= {w for v in taken for w in running[v].workers if w in fits}
+        if len(coming) >= job.need.nodes:
+            continue  # it waits for those; no new victim
+        rank = PRIORITY_RANK[job.spec_priority]
+        candidates = [r for r in snap.running if r.id not in taken and r.preemptible and not r.forming
+                      and PRIORITY_RANK.get(r.spec_priority, 1) > rank and now - r.started >= cfg.min_runtime_s
+                      and any(w in fits for w in r.workers)]
+        share = {o: snap.usage.get(o, 0.0) / max(snap.accounts.get(o, Account()).weight, 1e-9)
+                 for o in {r.owner for r in candidates}}
+        # Fewest victims: those freeing the most fitting workers first; then the most over their share, then the
+        # lowest priority, then the latest started (the least work since its last checkpoint is lost).
+        candidates.sort(key=lambda r: (-sum(w in fits for w in r.workers), -share[r.owner],
+                                       -PRIORITY_RANK.get(r.spec_priority, 1), -r.started, r.id))
+        chosen: list[Running] = []
+        for r in candidates:
+            if len(coming) >= job.need.nodes:
+                break
+            chosen.append(r)
+            coming |= {w for w in r.workers if w in fits}
+        if len(coming) < job.need.nodes:
+            continue  # preempting every candidate would still not free a fit: preempt nobody
+        for r in chosen:
+            taken.add(r.id)
+            out.append(Preemption(r.id, job.id, f"preempted by job {job.id} (priority {job.spec_priority}, "
+                                                f"owner {job.owner}), which waited {now - job.queued:.0f}s"))
+    return out
