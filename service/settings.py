@@ -77,6 +77,15 @@ class Settings(BaseSettings):
     gang_timeout_s: float = Field(60.0, gt=0, description="a multi-node gang not formed by then goes back "
                                   "to the queue and releases its workers")
     aging_s: float = Field(600.0, gt=0, description="a job queued this long moves up one priority")
+    # The fair pool (service/scheduling/policy.py).
+    scheduler_policy: Literal["fair", "fifo"] = Field("fair", description="fair: fair share among jobs of one "
+                                                      "priority; fifo: submission order")
+    fair_share_half_life_s: float = Field(7 * 86400.0, gt=0, description="usage halves over this")
+    preempt_after_s: float = Field(60.0, ge=0, description="a high job no free worker fits preempts lower ones "
+                                   "after waiting this long")
+    min_runtime_s: float = Field(600.0, ge=0, description="a job runs this long before it may be preempted")
+    reserve_after_s: float = Field(300.0, ge=0, description="a job needing several workers reserves them after "
+                                   "waiting this long")
     # What this worker offers, where detection is not what you want (`trainjobs worker --slots/--device/--label`).
     worker_slots: int | None = Field(None, ge=1, description="default: GPUs (cuda), else CPU cores")
     worker_device: Literal["cpu", "cuda"] | None = None  # default: cuda when nvidia-smi lists a GPU

@@ -194,3 +194,20 @@ def test_a_gang_s_memory_chart_draws_a_line_per_node(page, api, postgres_url):
     expect(page.locator("#chart-memory text.legend")).to_have_text(["node 0", "node 1"])
     expect(page.locator("#chart-loss path.line")).to_have_count(1)  # the job's loss: node 0's series only
     api.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def test_the_queue_page_shows_waiting_jobs_in_start_order_with_their_reasons(page, api):
+    nowhere = {"nproc_per_node": 1, "device": "cpu", "selector": {"zone": "nowhere"}}  # no worker fits: they wait
+    ids = [api.post("/v1/jobs", json=mlp_spec(name=f"dash-wait-{i}", resources=nowhere)).json()["id"]
+           for i in range(2)]
+    try:
+        page.click("header nav a[data-nav=queue]")
+        rows = page.locator("#queue-table tbody tr")
+        expect(rows).to_have_count(2)
+        expect(rows.nth(0).locator("td").nth(1)).to_have_text("dash-wait-0")
+        expect(rows.nth(1).locator("td").nth(1)).to_have_text("dash-wait-1")
+        expect(rows.nth(0).locator("td.reason")).to_contain_text("no live worker fits")
+        expect(page.locator("#queue-standing")).to_contain_text("policy fair")
+    finally:
+        for job_id in ids:
+            api.post(f"/v1/jobs/{job_id}/cancel")

@@ -30,13 +30,13 @@ def test_a_worker_takes_the_first_job_it_fits_and_leaves_the_others_queued(setti
         queue.enqueue(redis, prefix=QUEUE_PREFIX, job_id=job.id, priority="normal", timeout_s=60)
     queues = [FittingQueue(n, connection=redis, serializer=JSONSerializer) for n in queue.queue_names(QUEUE_PREFIX)]
 
-    monkeypatch.setattr(FittingQueue, "chooser", Chooser(sessions, offer(1, zone="a"), lost_after_s=10))
+    monkeypatch.setattr(FittingQueue, "chooser", Chooser(sessions, offer(1, zone="a"), settings))
     rq_job, _ = FittingQueue.dequeue_any(queues, None, connection=redis, serializer=JSONSerializer)
     assert rq_job.id == small.id
     assert FittingQueue.dequeue_any(queues, None, connection=redis, serializer=JSONSerializer) is None  # burst
     assert queued_ids(redis, QUEUE_PREFIX) == [big.id, zoned.id]  # still there, in order
 
-    monkeypatch.setattr(FittingQueue, "chooser", Chooser(sessions, offer(4, zone="b"), lost_after_s=10))
+    monkeypatch.setattr(FittingQueue, "chooser", Chooser(sessions, offer(4, zone="b"), settings))
     taken = [FittingQueue.dequeue_any(queues, 1, connection=redis, serializer=JSONSerializer)[0].id for _ in "ab"]
     assert taken == [big.id, zoned.id] and queued_ids(redis, QUEUE_PREFIX) == []
     engine.dispose()

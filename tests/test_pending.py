@@ -67,14 +67,14 @@ def test_pending_reason_says_why_no_live_worker_takes_a_job(settings):
         zoned = submit(db, resources={"nproc_per_node": 1, "device": "cpu", "selector": {"zone": "b"}})
         gang = submit(db, resources={"nnodes": 3, "nproc_per_node": 1, "device": "cpu"})
         ok = submit(db, resources={"nproc_per_node": 1, "device": "cpu"})
-        pending.explain(db, lost_after_s=settings.lease_s)
+        pending.explain(db, settings)
         db.commit()
         db.refresh(four)
         assert four.pending_reason == "no live worker"
         add_worker(db, "w1", labels={"zone": "a"})
         add_worker(db, "w2", labels={"zone": "a"})
         db.commit()
-        pending.explain(db, lost_after_s=settings.lease_s)
+        pending.explain(db, settings)
         db.commit()
         for job in (four, zoned, gang, ok):
             db.refresh(job)
@@ -86,7 +86,7 @@ def test_pending_reason_says_why_no_live_worker_takes_a_job(settings):
             last_seen=utcnow() - timedelta(seconds=settings.lease_s + 1)))  # w1 is lost: it no longer counts
         workers.occupy(db, worker_id="w2", job_id=four.id, slots=1)
         db.commit()
-        pending.explain(db, lost_after_s=settings.lease_s)
+        pending.explain(db, settings)
         db.commit()
         db.refresh(ok)
         assert ok.pending_reason == "waiting for a free worker: 1 fit, 1 busy"

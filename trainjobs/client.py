@@ -345,6 +345,21 @@ class Client:
     def delete_package(self, digest: str) -> None:
         self._call("DELETE", f"/v1/packages/{digest}")
 
+    def queue(self) -> dict:
+        """The waiting jobs in the order they would start, why each waits, and your standing (GET /v1/queue)."""
+        return self._call("GET", "/v1/queue").json()
+
+    def teams(self) -> dict:
+        return self._call("GET", "/v1/teams").json()
+
+    def put_team(self, name: str, *, weight: float = 1.0, max_slots: int | None = None) -> dict:
+        """Create or change a team (admins)."""
+        return self._call("PUT", f"/v1/teams/{name}", json={"weight": weight, "max_slots": max_slots}).json()
+
+    def update_user(self, name: str, **fields) -> dict:
+        """Change a user's team, weight or max_slots (admins): PATCH /v1/users/{name}."""
+        return self._call("PATCH", f"/v1/users/{name}", json=fields).json()
+
     def create_token(self, name: str, **fields) -> dict:
         return self._call("POST", "/v1/tokens", json={"name": name, **fields}).json()
 

@@ -289,6 +289,8 @@ class JobSpec(_Strict):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     priority: Literal["high", "normal", "low"] = "normal"
+    preemptible: bool = Field(True, description="a higher-priority job may hand it back to the queue (it resumes "
+                              "from its checkpoint); false only for admins")
     max_retries: int = Field(0, ge=0, le=10)
     timeout_s: float = Field(3600, gt=0, le=7 * 24 * 3600)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)

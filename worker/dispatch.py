@@ -1,13 +1,14 @@
-"""Capacity-aware dequeue: a worker takes a queue entry only for a job it can fit.
+"""Dequeue by the scheduler's plan: a worker takes the queue entry of the job the plan gives it, if any.
 
-RQ's own dequeue pops the head of a queue, whatever it is; a job then reaches a worker that cannot run it
-and would have to be put back (and bounce from worker to worker). Here a worker looks at the first
-entries of each queue in order (gang node tasks, then high, normal, low), asks the database what each job
-needs (service/workers/fit.py) and removes, with LREM, only an entry it fits: LREM's count says which
-worker won it. A job that no worker fits stays on its queue and queued; the sweeper writes why
-(pending_reason). The claim's compare-and-set in the database still decides who runs it.
+RQ's own dequeue pops the head of a queue, whatever it is. Here a worker first looks at the gang node tasks
+(a gang that has begun to form gets its workers before anything starts) and takes one it fits; then it plans
+the pool (service/scheduling/policy.py: priority, fair share, quotas, reservations, best fit) on a snapshot of
+the database and removes, with LREM, the entry of the first job assigned to it: LREM's count says which worker
+won it. A job no worker may take now stays on its queue and queued; the sweeper writes why (pending_reason).
+The claim's compare-and-set in the database still decides who runs it.
 """
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -15,56 +16,71 @@ from collections.abc import Iterable
 from redis import Redis
 from rq import Queue
 from rq.exceptions import DequeueTimeout, NoSuchJobError
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE
 from service.jobs import service as jobs
+from service.jobs.models import Job
 from service.jobs.queue import GANG, parse_node_task_id
+from service.scheduling import policy
+from service.scheduling import service as scheduling
+from service.settings import Settings
 from service.workers import fit
-from service.workers import service as workers
 from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
-SCAN = 200  # entries looked at per queue and pass
-CACHE_MAX = 10_000  # needs remembered (a job's spec and plan never change)
+SCAN = 200  # gang node tasks looked at per pass
+SCAN_JOBS = 5000  # entries of each priority queue looked at per pass
+CACHE_MAX = 10_000  # jobs' needs remembered (a job's spec and plan never change)
 POLL_S = 0.5  # between passes while nothing fits
 
 
 class Chooser:
     """This worker's view: what it offers, and the database to read jobs from."""
 
-    def __init__(self, sessions: sessionmaker[Session], offer: fit.Offer, *, lost_after_s: float):
-        self.sessions, self.offer, self.lost_after_s = sessions, offer, lost_after_s
-        self.needs: dict[str, fit.Need] = {}  # queued jobs already looked at: no query for them next pass
+    def __init__(self, sessions: sessionmaker[Session], offer: fit.Offer, settings: Settings):
+        self.sessions, self.offer, self.settings = sessions, offer, settings
+        self.lost_after_s = settings.lease_s
+        self.reqs: dict[str, scheduling.Req] = {}  # the same, for the scheduler's snapshot
 
-    def takes(self, db: Session, entry_ids: list[str], *, gang: bool) -> list[str]:
-        """The entries this worker would take, in queue order."""
-        keys = {e: (parse_node_task_id(e) if gang else (e, None, None)) for e in entry_ids}
-        # A gang's node task is looked at every pass: whether its gang still forms changes.
-        job_ids = {k[0] for k in keys.values() if k and (gang or k[0] not in self.needs)}
-        rows = jobs.dispatch_view(db, job_ids=job_ids)
-        if len(self.needs) > CACHE_MAX:
-            self.needs.clear()
-        live = None
+    def plan(self, db: Session, entries: dict[str, str]) -> policy.Plan:
+        """The pool's plan, as this worker sees it: polling for work, it is live and free whatever its row says;
+        a queued job without a queue entry (being claimed, or lost with Redis until the sweeper enqueues it
+        again) is not planned, so it holds no worker."""
+        if len(self.reqs) > CACHE_MAX:
+            self.reqs.clear()
+        snap = scheduling.snapshot(db, self.settings, cache=self.reqs)
+        me = policy.Node(id=self.offer.id, device=self.offer.device, slots=self.offer.slots,
+                         memory_bytes=self.offer.memory_bytes, labels=dict(self.offer.labels or {}))
+        snap = dataclasses.replace(snap, nodes=[*(n for n in snap.nodes if n.id != me.id), me],
+                                   waiting=[w for w in snap.waiting if w.id in entries])
+        return policy.plan(snap)
+
+    def choose(self, db: Session, entries: dict[str, str]) -> list[str]:
+        """Of the priority queues' entries (id -> queue), those this worker takes, in order: the jobs the plan
+        assigns it, after any stale entry (its job no longer queued: taking it just drops it)."""
+        mine = self.plan(db, entries).for_worker(self.offer.id)
+        ids = list(entries)
+        known = dict(db.execute(select(Job.id, Job.status).where(Job.id.in_(ids))).all()) if ids else {}
+        stale = [e for e in ids if known.get(e) != JobStatus.QUEUED]
+        return stale + [j for j in mine if j in entries]
+
+    def takes(self, db: Session, entry_ids: list[str], *, gang: bool = True) -> list[str]:
+        """The gang node tasks this worker would take, in queue order (a stale one: taking it just drops it).
+
+        A node task is looked at every pass: whether its gang still forms changes.
+        """
+        keys = {e: parse_node_task_id(e) for e in entry_ids}
+        rows = jobs.dispatch_view(db, job_ids={k[0] for k in keys.values() if k})
         chosen = []
         for entry, key in keys.items():
-            need = self.needs.get(key[0]) if key and not gang else None
-            if need is None:
-                row = rows.get(key[0]) if key else None
-                wanted = JobStatus.STARTING if gang else JobStatus.QUEUED
-                if row is None or row.status != wanted or (gang and row.attempt != key[1]):
-                    chosen.append(entry)  # stale: taking it just drops it (the job function skips it)
-                    continue
-                need = fit.need_of(row.spec, row.plan)
-                if not gang:
-                    self.needs[row.id] = need
-            if fit.misfit(need, self.offer) is not None:
+            row = rows.get(key[0]) if key else None
+            if row is None or row.status != JobStatus.STARTING or row.attempt != key[1]:
+                chosen.append(entry)
                 continue
-            if not gang and need.nodes > 1:  # start a gang only where enough live workers could join it
-                live = live if live is not None else workers.live(db, lost_after_s=self.lost_after_s)
-                if len(fit.fitting(need, live)) < need.nodes:
-                    continue
-            chosen.append(entry)
+            if fit.misfit(fit.need_of(row.spec, row.plan), self.offer) is None:
+                chosen.append(entry)
         return chosen
 
 
@@ -79,10 +95,13 @@ class FittingQueue(Queue):
         queues = list(queues)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            for queue in queues:
-                found = cls._take_one(queue, connection, job_class, serializer, death_penalty_class)
-                if found is not None:
-                    return found
+            found = None
+            for queue in (q for q in queues if q.name.endswith(f"-{GANG}")):
+                found = found or cls._take_node_task(queue, connection, job_class, serializer)
+            found = found or cls._take_planned([q for q in queues if not q.name.endswith(f"-{GANG}")], connection,
+                                               job_class, serializer)
+            if found is not None:
+                return found
             if deadline is None:
                 return None
             if time.monotonic() >= deadline:
@@ -90,17 +109,38 @@ class FittingQueue(Queue):
             time.sleep(POLL_S)
 
     @classmethod
-    def _take_one(cls, queue: Queue, connection: Redis, job_class, serializer, death_penalty_class):
+    def _take_node_task(cls, queue: Queue, connection: Redis, job_class, serializer):
         ids = [i.decode() if isinstance(i, bytes) else i for i in connection.lrange(queue.key, 0, SCAN - 1)]
         if not ids:
             return None
         try:
             with cls.chooser.sessions() as db:
-                wanted = cls.chooser.takes(db, ids, gang=queue.name.endswith(f"-{GANG}"))
+                wanted = cls.chooser.takes(db, ids, gang=True)
         except UNREACHABLE:  # take nothing while the database is out: a claim could not be made anyway
             log.warning("the database is out of reach; taking no job until it is back")
             return None
+        return cls._take(wanted, {e: queue for e in wanted}, connection, job_class, serializer)
+
+    @classmethod
+    def _take_planned(cls, queues: list[Queue], connection: Redis, job_class, serializer):
+        entries: dict[str, Queue] = {}
+        for queue in queues:
+            for i in connection.lrange(queue.key, 0, SCAN_JOBS - 1):
+                entries.setdefault(i.decode() if isinstance(i, bytes) else i, queue)
+        if not entries:
+            return None  # nothing queued: no database round trip
+        try:
+            with cls.chooser.sessions() as db:
+                wanted = cls.chooser.choose(db, {e: q.name for e, q in entries.items()})
+        except UNREACHABLE:
+            log.warning("the database is out of reach; taking no job until it is back")
+            return None
+        return cls._take(wanted, entries, connection, job_class, serializer)
+
+    @classmethod
+    def _take(cls, wanted: list[str], entries: dict[str, Queue], connection: Redis, job_class, serializer):
         for entry in wanted:
+            queue = entries[entry]
             if connection.lrem(queue.key, 1, entry) != 1:
                 continue  # another worker took it first
             try:  # RQ's public fetch, with the worker's job class and serializer (as its own dequeue does)

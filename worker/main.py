@@ -104,7 +104,7 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     # NOTE: a forked work-horse must never use (or close) the pooled connections it inherited.
     os.register_at_fork(after_in_child=lambda: engine.dispose(close=False))
     sessions = make_sessionmaker(engine)
-    FittingQueue.chooser = Chooser(sessions, offer, lost_after_s=settings.lease_s)
+    FittingQueue.chooser = Chooser(sessions, offer, settings)
     redis = Redis.from_url(settings.redis_url)
     queues = [FittingQueue(n, connection=redis, serializer=JSONSerializer) for n in queue_names(settings.queue_prefix)]
     current: list[PreemptingWorker] = []

@@ -68,6 +68,7 @@ class Supervisor:
         self._lease_ends = time.monotonic() + settings.lease_s
         self._lease_extra_s = 0.0  # added to the lease while the ranks are being stopped
         self.preempt_requests = 0  # the worker is shutting down: 1 = checkpoint and hand back, 2 = stop now
+        self.preempted_by: str | None = None  # or the scheduler asked for it (a higher-priority job): who, and why
         self._preempt_since: float | None = None
         self._preempt_sent = -float("inf")
         # Hang detection (spec.hang, else the settings): when the job last showed progress, and how long a step takes.
@@ -445,6 +446,9 @@ class Supervisor:
         if lease_s is not None:  # counted from before the request: the database's lease ends no earlier
             self._renewed, self._lease_ends = time.monotonic(), asked + lease_s
         self.cancel_requested = held.cancel_requested
+        if held.preempt_detail and self.preempted_by is None:
+            self.preempted_by = held.preempt_detail
+            self.preempt_requests = max(self.preempt_requests, 1)
         self._stacks_asked = held.stacks_requested_at
         if not self._stacks_read:
             self._stacks_served, self._stacks_read = held.stacks_requested_at, True
@@ -509,7 +513,10 @@ class Supervisor:
         if stop_reason == "preempted" or (self.preempt_requests and not finished) or step is not None:
             if self.cancel_requested:  # asked for while the ranks were stopping: the user's word wins
                 return Outcome(JobStatus.CANCELLED, exit_code, killed_pids=killed)
-            if not self.preempt_requests:
+            if self.preempted_by:
+                detail = f"{self.preempted_by}; " + (f"handed back at step {step}" if step is not None else
+                                                     "it resumes from its last checkpoint")
+            elif not self.preempt_requests:
                 detail = f"handed back with its gang at step {step}: another node's worker is shutting down"
             elif step is not None:
                 detail = f"preempted by worker shutdown at step {step}"

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE, utcnow
 from service.jobs import counts, lifecycle, queue, retention
+from service.scheduling import service as scheduling
 from service.settings import Settings
 from service.workers import pending
 from service.workers import service as workers
@@ -63,7 +64,8 @@ class Sweeper:
                 full = now - self.last_reconcile >= self.settings.reconcile_s
                 pending.age(db, self.redis, prefix=self.settings.queue_prefix, aging_s=self.settings.aging_s)
                 queue.reconcile(db, self.redis, prefix=self.settings.queue_prefix, min_age_s=10.0 if full else None)
-                pending.explain(db, lost_after_s=self.settings.lease_s)
+                pending.explain(db, self.settings)
+                scheduling.fold_usage(db, half_life_s=self.settings.fair_share_half_life_s)
                 if full:
                     workers.prune(db)
                     self.last_reconcile = now

@@ -37,6 +37,9 @@ def check_submission(db: Session, redis: Redis, settings: Settings, principal: P
     if spec.entrypoint is not None and not principal.can_run_entrypoints:
         raise Forbidden(f"user {principal.user!r} may not run their own code (can_run_entrypoints is off)",
                         field="entrypoint")
+    if not spec.preemptible and principal.role != "admin":
+        raise Forbidden("only an admin may submit a job with preemptible: false (a higher-priority job may "
+                        "otherwise hand it back to the queue, to resume from its checkpoint)", field="preemptible")
     if principal.token_id is not None:
         wait = take_rate_slot(redis, f"{settings.queue_prefix}:rate:{principal.token_id}",
                               settings.submit_rate_per_min)

@@ -25,6 +25,8 @@ class TokenCreate(BaseModel):
     expires_in_s: Annotated[int | None, Field(gt=0, le=10 * 365 * 86400)] = None
     can_run_entrypoints: StrictBool | None = Field(
         None, description="grant (true) or withdraw (false) the user's right to run their own code; unset: unchanged")
+    team: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                             description="put the user in this team (the fair pool shares between teams first)")
 
 
 class TokenPublic(BaseModel):
@@ -60,7 +62,7 @@ class Me(BaseModel):
 def create_token(body: TokenCreate, request: Request, db: SessionDep, _admin: AdminDep) -> TokenCreated:
     expires_at = utcnow() + timedelta(seconds=body.expires_in_s) if body.expires_in_s else None
     row, secret = tokens.create(db, name=body.name, user=body.user or body.name, role=body.role,
-                                expires_at=expires_at, can_run_entrypoints=body.can_run_entrypoints)
+                                expires_at=expires_at, can_run_entrypoints=body.can_run_entrypoints, team=body.team)
     if body.can_run_entrypoints is not None:  # the user's other tokens' cached principals carry the old right
         request.app.state.principals.revoke_everywhere()
     return TokenCreated(**TokenPublic.model_validate(row).model_dump(), token=secret)

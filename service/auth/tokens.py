@@ -54,7 +54,7 @@ def hash_secret(secret: str) -> str:
 
 
 def create(db: Session, *, name: str, user: str, role: str = "user", expires_at: datetime | None = None,
-           can_run_entrypoints: bool | None = None) -> tuple[ApiToken, str]:
+           can_run_entrypoints: bool | None = None, team: str | None = None) -> tuple[ApiToken, str]:
     """A new token for `user` (created if new); returns the row and the secret, which is never stored."""
     if role not in ROLES:
         raise InvalidRequest(f"role must be one of {', '.join(ROLES)}", field="role")
@@ -67,6 +67,8 @@ def create(db: Session, *, name: str, user: str, role: str = "user", expires_at:
         db.flush()  # the token's foreign key needs the user's row first
     elif can_run_entrypoints is not None:
         owner.can_run_entrypoints = can_run_entrypoints
+    if team is not None:
+        owner.team = team
     secret = PREFIX + secrets.token_urlsafe(32)
     row = ApiToken(id=f"tok_{secrets.token_hex(8)}", user=user, name=name, role=role,
                    token_hash=hash_secret(secret), created_at=utcnow(), expires_at=expires_at)

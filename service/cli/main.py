@@ -14,6 +14,7 @@ from rich.text import Text
 
 from service.cli import experiments as experiments_cli
 from service.cli import gc as gc_cli
+from service.cli import pool as pool_cli
 from service.cli import run as run_cli
 from service.cli import tables
 from service.cli import tokens as auth_cli
@@ -274,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiments_cli.register(sub)
     auth_cli.register(sub)
     gc_cli.register(sub)
+    pool_cli.register(sub)
     return parser
 
 

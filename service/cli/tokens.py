@@ -22,7 +22,8 @@ def parse_duration(text: str) -> int:
 
 
 def cmd_create(args, client: Client) -> int:
-    fields = {"role": "admin" if args.admin else "user", "user": args.user, "expires_in_s": args.expires}
+    fields = {"role": "admin" if args.admin else "user", "user": args.user, "expires_in_s": args.expires,
+              "team": args.team}
     if args.entrypoints is not None:
         fields["can_run_entrypoints"] = args.entrypoints
     made = client.create_token(args.name, **{k: v for k, v in fields.items() if v is not None})
@@ -69,6 +70,7 @@ def register(sub) -> None:
     create.add_argument("--expires", type=parse_duration, metavar="DURATION", help="e.g. 30d, 12h; default never")
     create.add_argument("--entrypoints", action=argparse.BooleanOptionalAction, default=None,
                         help="grant (or --no-entrypoints withdraw) the user's right to run their own scripts")
+    create.add_argument("--team", help="put the user in this team (fair share between teams, then users)")
     create.set_defaults(remote=cmd_create)
     ls = verbs.add_parser("list", help="tokens (admins: all; users: their own); never the secrets")
     ls.set_defaults(remote=cmd_list)

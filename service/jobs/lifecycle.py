@@ -125,7 +125,8 @@ def claim(db: Session, *, job_id: str, worker: str, lease_s: float) -> tuple[int
     """
     moved = transition(
         db, job_id=job_id, to=JobStatus.STARTING, detail=f"claimed by {worker}",
-        values={"attempt": Job.attempt + 1, "started_at": utcnow(), "pending_reason": None},
+        values={"attempt": Job.attempt + 1, "started_at": utcnow(), "pending_reason": None,
+                "preempt_requested_at": None, "preempt_detail": None},
         # NOTE: a retry dequeued before its backoff ended is left for the sweeper to enqueue again.
         where=[Job.cancel_requested_at.is_(None), or_(Job.not_before.is_(None), Job.not_before <= utcnow())],
     )
@@ -262,6 +263,7 @@ class Held:
     cancel_requested: bool
     progress_step: int  # the job's progress as stored (a gang's nodes move it in turn)
     stacks_requested_at: datetime | None = None  # POST /v1/jobs/{id}/stacks: the latest request
+    preempt_detail: str | None = None  # the scheduler asks it to hand its workers back (to whom, and why)
 
 
 def hold(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: float | None) -> Held | None:
@@ -271,13 +273,15 @@ def hold(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: flo
     sweeper has given the job to a newer attempt (this worker was paused or cut off past its lease),
     nothing more is written for this one. On None the caller rolls back.
     """
-    job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at, Job.progress, Job.stacks_requested_at)
+    job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at, Job.progress, Job.stacks_requested_at,
+                            Job.preempt_requested_at, Job.preempt_detail)
                      .where(Job.id == job_id).with_for_update()).one_or_none()
     renewed = renew_lease(db, job_id=job_id, attempt=attempt, node_rank=node_rank, lease_s=lease_s)
     if job is None or job.attempt != attempt or job.status not in LIVE or not renewed:
         return None
     return Held(cancel_requested=job.cancel_requested_at is not None,
-                progress_step=(job.progress or {}).get("step") or 0, stacks_requested_at=job.stacks_requested_at)
+                progress_step=(job.progress or {}).get("step") or 0, stacks_requested_at=job.stacks_requested_at,
+                preempt_detail=(job.preempt_detail or "preempted") if job.preempt_requested_at is not None else None)
 
 
 # --- an attempt ends -----------------------------------------------------------------------------------------
@@ -379,13 +383,15 @@ def history(db: Session, job_id: str) -> list[dict]:
 
 
 def hand_back(db: Session, *, job_id: str, attempt: int, detail: str, node_rank: int = 0) -> bool:
-    """A worker shutting down returns the job (its whole gang) to the queue: not a failure, no retry spent."""
+    """A worker shutting down, or a preemption the scheduler asked for, returns the job (its whole gang) to the
+    queue: not a failure, no retry spent."""
     lock_job(db, job_id)
     if not close_attempt(db, job_id=job_id, attempt=attempt, status=AttemptStatus.PREEMPTED, node_rank=node_rank):
         return False
     close_gang(db, job_id=job_id, attempt=attempt, why=f"node {node_rank}: {detail}")
     if transition(db, job_id=job_id, to=JobStatus.QUEUED, attempt=attempt, detail=detail,
-                  values={"not_before": utcnow(), "queued_at": utcnow()}, where=[Job.cancel_requested_at.is_(None)]):
+                  values={"not_before": utcnow(), "queued_at": utcnow(), "preempt_requested_at": None,
+                          "preempt_detail": None}, where=[Job.cancel_requested_at.is_(None)]):
         return True
     # A cancel came in while the ranks were stopping: it wins, and the job must not stay running.
     return transition(db, job_id=job_id, to=JobStatus.CANCELLED, attempt=attempt,

@@ -3,7 +3,7 @@
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -49,6 +49,9 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     stacks_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # POST /v1/jobs/{id}/stacks
+    # The scheduler asked this running job to hand its workers back to a higher-priority one (and which one).
+    preempt_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    preempt_detail: Mapped[str | None] = mapped_column(Text)
     warnings: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))  # stragglers, ...
     not_before: Mapped[datetime | None] = mapped_column(UTCDateTime)  # a retry waits out its backoff
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
@@ -96,10 +99,14 @@ class Attempt(Base):
     endpoint: Mapped[str | None] = mapped_column(String(300))  # node 0 of a gang: its rendezvous host:port
     # The ranks' stacks, the latest dump (worker/stacks.py): {"reason", "taken_at", "ranks": [...]}
     stacks: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    # Its device-seconds are in its owner's usage (service/scheduling/service.py folds closed attempts in).
+    charged: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
 
     __table_args__ = (
         UniqueConstraint("job_id", "number", "node_rank", name="uq_attempts_job_number_node"),
         Index("ix_attempts_status_lease", "status", "lease_expires_at"),
+        Index("ix_attempts_uncharged", "finished_at", postgresql_where=text("NOT charged"),
+              sqlite_where=text("NOT charged")),
     )
 
 

@@ -30,6 +30,7 @@ worker that polls computes the same plan from the same rows, and the claim's com
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from service.workers import fit
 
@@ -164,6 +165,10 @@ class Plan:
         return next((p for p in self.order if p.job_id == job_id), None)
 
 
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=UTC).isoformat(timespec="seconds")
+
+
 def decayed(value: float, elapsed_s: float, half_life_s: float) -> float:
     """Usage `elapsed_s` later: halved every half_life_s."""
     return value * 0.5 ** (max(0.0, elapsed_s) / half_life_s) if half_life_s > 0 else value
@@ -261,9 +266,12 @@ def plan(snap: Snapshot) -> Plan:
 
     places: dict[str, Place] = {}
     reservation = _reserve(ordered, snap, nodes, free, free_by_timeout)
+    if reservation is not None and _quota_block(next(j for j in ordered if j.id == reservation.job_id), snap,
+                                                held_user, held_team) is not None:
+        reservation = None  # over its quota, it could not start on them anyway: the workers stay free
     if reservation is not None:
         job = next(j for j in ordered if j.id == reservation.job_id)
-        if reservation.held == len(reservation.workers) and _quota_block(job, snap, held_user, held_team) is None:
+        if reservation.held == len(reservation.workers):
             # Filled: it starts now on its reserved workers (node 0 on any of them; the rest join the gang).
             for w in reservation.workers:
                 free.discard(w)
@@ -276,18 +284,31 @@ def plan(snap: Snapshot) -> Plan:
                     blocked[w] = f"reserved for job {job.id} (needs {job.need.nodes} nodes)"
 
     # Assign in order, best fit; count the jobs still waiting ahead of each one, for its reason.
-    waiting_at: dict[str, int] = defaultdict(int)  # priority -> jobs of it still waiting, so far
-    waiting_own: dict[tuple[str, str], int] = defaultdict(int)  # (owner, priority) -> of theirs, so far
+    # Per set of workers that fit (jobs that compete for the same workers): the waiting ahead, by priority and by
+    # owner and priority. Needs repeat, so the fit is worked out once per distinct need.
+    fits_of: dict[tuple, list[Node]] = {}
+    waiting_by_fit: dict[frozenset[str], dict[tuple, int]] = defaultdict(lambda: defaultdict(int))
     for job in ordered:
         if job.id in places:
             continue
         place = places[job.id] = Place(job.id, job.owner, 0, None)
-        fits = [nodes[i] for i in sorted(nodes) if fit.misfit(job.need, nodes[i]) is None]
+        need_key = (job.need.device, job.need.slots, job.need.memory_bytes, job.need.memory_device,
+                    tuple(sorted(job.need.labels.items())), job.need.pip)
+        if need_key not in fits_of:
+            fits_of[need_key] = [nodes[i] for i in sorted(nodes) if fit.misfit(job.need, nodes[i]) is None]
+        fits = fits_of[need_key]
+        fit_ids = frozenset(w.id for w in fits)
+        counts: dict[tuple, int] = defaultdict(int)
+        for ids, seen in waiting_by_fit.items():
+            if ids & fit_ids:
+                for key, n in seen.items():
+                    counts[key] += n
         rank = PRIORITY_RANK.get(job.priority, 1)
-        ahead = (sum(n for p, n in waiting_at.items() if PRIORITY_RANK.get(p, 1) < rank),
-                 waiting_at[job.priority] - waiting_own[job.owner, job.priority], waiting_own[job.owner, job.priority])
+        own = counts["own", job.owner, job.priority]
+        ahead = (sum(n for key, n in counts.items() if key[0] == "at" and PRIORITY_RANK.get(key[1], 1) < rank),
+                 counts["at", job.priority] - own, own)
         if job.not_before is not None and job.not_before > now:
-            place.reason = f"retry backoff for {job.not_before - now:.0f}s more"
+            place.reason = f"retry backoff until {_iso(job.not_before)}"
         elif len(fits) < job.need.nodes:
             place.reason = fit.pending_reason(job.need, list(snap.nodes)) or "no live worker fits"
         elif (why := _quota_block(job, snap, held_user, held_team)) is not None:
@@ -308,11 +329,10 @@ def plan(snap: Snapshot) -> Plan:
                 place.workers = [w.id for w in chosen]
                 place.estimated_start = now
                 _hold(job, snap, held_user, held_team)
-            else:
+            else:  # it waits for workers that fit: jobs behind it that need them wait behind it
                 place.reason = _wait_reason(job, fits, free, blocked, reservation, ahead, cfg.policy)
-        if not place.workers:
-            waiting_at[job.priority] += 1
-            waiting_own[job.owner, job.priority] += 1
+                waiting_by_fit[fit_ids]["at", job.priority] += 1
+                waiting_by_fit[fit_ids]["own", job.owner, job.priority] += 1
     for i, job in enumerate(ordered):
         places[job.id].position = i + 1
     order_out = [places[j.id] for j in ordered]

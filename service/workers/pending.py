@@ -1,4 +1,5 @@
-"""What the sweeper writes about queued jobs: why each one waits, and priority aging so `low` never starves."""
+"""What the sweeper writes about queued jobs: why each one waits (from the scheduler's plan), the preemptions the plan
+asks for, and priority aging so `low` never starves."""
 
 import logging
 from datetime import timedelta
@@ -11,8 +12,9 @@ from service.db import utcnow
 from service.jobs import queue
 from service.jobs import service as jobs
 from service.jobs.models import Job
-from service.workers import fit
-from service.workers import service as workers
+from service.scheduling import policy
+from service.scheduling import service as scheduling
+from service.settings import Settings
 from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
@@ -20,21 +22,12 @@ SCAN = 500  # queued jobs looked at per pass, oldest first
 UP = {"low": "normal", "normal": "high"}
 
 
-def explain(db: Session, *, lost_after_s: float) -> int:
-    """Write each queued job's pending_reason (None once workers that fit are free). The caller commits."""
-    live = workers.live(db, lost_after_s=lost_after_s)
-    busy = {w.id for w in live if w.current_job}
-    now, changed = utcnow(), 0
-    rows = db.execute(select(Job.id, Job.spec, Job.plan, Job.pending_reason, Job.not_before)
-                      .where(Job.status == JobStatus.QUEUED).order_by(Job.id).limit(SCAN)).all()
-    for row in rows:
-        reason = fit.pending_reason(fit.need_of(row.spec, row.plan), live, busy=busy)
-        if reason is None and row.not_before is not None and row.not_before > now:
-            reason = f"retry backoff until {row.not_before.isoformat(timespec='seconds')}"
-        if reason != row.pending_reason:
-            changed += db.execute(update(Job).where(Job.id == row.id, Job.status == JobStatus.QUEUED)
-                                  .values(pending_reason=reason)).rowcount
-    return changed
+def explain(db: Session, settings: Settings) -> policy.Plan:
+    """Plan the pool (service/scheduling/policy.py) and write what the sweeper owns of it: each queued job's
+    pending_reason (None once it is about to start) and the preemptions. The caller commits."""
+    plan = policy.plan(scheduling.snapshot(db, settings))
+    scheduling.apply(db, plan)
+    return plan
 
 
 def age(db: Session, redis: Redis, *, prefix: str, aging_s: float) -> list[str]:

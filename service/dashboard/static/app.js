@@ -110,7 +110,7 @@ $("token-form").addEventListener("submit", (ev) => {
 });
 $("token-forget").addEventListener("click", () => { localStorage.removeItem(TOKEN_KEY); held.clear(); showToken(); });
 
-// ---- Views: #/ (jobs), #/jobs/<id>, #/workers. Each returns its stop().
+// ---- Views: #/ (jobs), #/jobs/<id>, #/queue, #/workers. Each returns its stop().
 let stopView = () => {};
 function show(name) {
   for (const v of document.querySelectorAll(".view")) v.hidden = v.id !== `view-${name}`;
@@ -121,6 +121,7 @@ function route() {
   const m = location.hash.match(/^#\/jobs\/([^/]+)$/);
   if (m) stopView = jobView(decodeURIComponent(m[1]));
   else if (location.hash === "#/workers") stopView = workersView();
+  else if (location.hash === "#/queue") stopView = queueView();
   else stopView = jobsView();
 }
 window.addEventListener("hashchange", route);
@@ -470,6 +471,31 @@ function workersView() {
       el("td", { title: when(w.last_seen) }, ago(w.last_seen))));
     document.querySelector("#workers-table tbody").replaceChildren(...rows);
     $("workers-empty").hidden = rows.length > 0;
+  });
+}
+
+// The fair pool's queue (GET /v1/queue): your waiting jobs in start order and why; others' only counted.
+function queueView() {
+  show("queue");
+  return every(3000, async () => {
+    const { body: q } = await getJson("/v1/queue");
+    const you = q.you;
+    $("queue-standing").textContent = `policy ${q.policy} · ${q.waiting} waiting · you (${you.user}` +
+      `${you.team ? `, team ${you.team}` : ""}): ${you.usage_device_hours.toFixed(2)} device-hours recently, ` +
+      `share ${you.share.toFixed(2)} · ${q.others_waiting} job(s) of others waiting, ${q.others_ahead} ahead of ` +
+      "your first";
+    const r = q.reservation;
+    $("queue-reservation").hidden = !r;
+    if (r) $("queue-reservation").textContent = `reservation: ${r.held} of ${r.workers} workers held for ` +
+      `${r.job_id ? `job ${r.job_id}` : "another user's job"}${r.fill_by ? `, filled by ${when(r.fill_by)}` : ""}`;
+    const rows = q.jobs.map((j) => el("tr", {},
+      el("td", { cls: "num" }, j.position),
+      el("td", {}, el("a", { href: `#/jobs/${encodeURIComponent(j.id)}` }, j.name || j.id)),
+      el("td", {}, j.owner), el("td", {}, j.priority),
+      el("td", { title: when(j.estimated_start) }, j.estimated_start ? when(j.estimated_start) : "-"),
+      el("td", { cls: "reason" }, j.reason || "starting now")));
+    document.querySelector("#queue-table tbody").replaceChildren(...rows);
+    $("queue-empty").hidden = rows.length > 0;
   });
 }
 

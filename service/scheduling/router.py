@@ -1,0 +1,200 @@
+"""/v1/queue (the waiting jobs in the order they would start, and why), /v1/teams and PATCH /v1/users/{name}."""
+
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Path
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+
+from service.api.deps import SessionDep, SettingsDep
+from service.auth.deps import AdminDep, PrincipalDep
+from service.auth.models import User
+from service.errors import NotFound, responses
+from service.jobs.models import Job
+from service.scheduling import policy
+from service.scheduling import service as scheduling
+from service.scheduling.models import Team
+
+router = APIRouter(prefix="/v1", tags=["scheduling"])
+Name = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]*$")]
+TeamName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+HOUR = 3600.0
+
+
+class QueuedJob(BaseModel):
+    position: int = Field(description="1 = the next to start")
+    id: str
+    name: str
+    owner: str
+    priority: str
+    reason: str | None = Field(description="why it waits; null: it is starting now")
+    estimated_start: datetime | None = Field(description="from running jobs' progress and timeouts (errs late)")
+    owner_usage_device_hours: float
+    owner_share: float = Field(description="the owner's usage ÷ weight, in device-hours: lower goes first")
+
+
+class Standing(BaseModel):
+    user: str
+    team: str | None
+    weight: float
+    max_slots: int | None
+    usage_device_hours: float
+    share: float
+    team_share: float | None
+
+
+class Reserved(BaseModel):
+    job_id: str | None = Field(description="null when the job is another user's")
+    workers: int
+    held: int
+    fill_by: datetime | None
+
+
+class QueuePublic(BaseModel):
+    policy: str
+    waiting: int = Field(description="every queued job (planned: at most the oldest 2,000)")
+    jobs: list[QueuedJob] = Field(description="yours (every job, for an admin), in the order they would start")
+    others_waiting: int = Field(description="queued jobs of other users, counted only")
+    others_ahead: int = Field(description="of those, how many are ahead of your first waiting job")
+    you: Standing
+    reservation: Reserved | None
+
+
+def _when(t: float | None) -> datetime | None:
+    return datetime.fromtimestamp(t, tz=UTC) if t is not None else None
+
+
+@router.get("/queue", response_model=QueuePublic)
+def read_queue(db: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> QueuePublic:
+    snap = scheduling.snapshot(db, settings)
+    plan = policy.plan(snap)
+    admin = principal.role == "admin"
+    mine = [p for p in plan.order if admin or p.owner == principal.user]
+    names = {r.id: r.name for r in db.execute(select(Job.id, Job.name).where(Job.id.in_([p.job_id for p in mine])))}
+    priorities = {j.id: j.priority for j in snap.waiting}
+    first = next((p.position for p in plan.order if p.owner == principal.user), None)
+    others = [p for p in plan.order if p.owner != principal.user]
+    account = snap.accounts.get(principal.user) or policy.Account()
+    team = policy.team_of(principal.user, snap.accounts)
+    you = Standing(user=principal.user, team=account.team, weight=account.weight, max_slots=account.max_slots,
+                   usage_device_hours=snap.usage.get(principal.user, 0.0) / HOUR,
+                   share=plan.shares.get(principal.user, 0.0) / HOUR,
+                   team_share=plan.team_shares.get(team, 0.0) / HOUR if account.team else None)
+    reservation = None
+    if (r := plan.reservation) is not None:
+        owner = next((j.owner for j in snap.waiting if j.id == r.job_id), None)
+        reservation = Reserved(job_id=r.job_id if admin or owner == principal.user else None,
+                               workers=len(r.workers), held=r.held, fill_by=_when(r.fill_at))
+    return QueuePublic(
+        policy=settings.scheduler_policy, waiting=len(plan.order),
+        jobs=[QueuedJob(position=p.position, id=p.job_id, name=names.get(p.job_id, ""), owner=p.owner,
+                        priority=priorities.get(p.job_id, "normal"), reason=p.reason,
+                        estimated_start=_when(p.estimated_start),
+                        owner_usage_device_hours=snap.usage.get(p.owner, 0.0) / HOUR,
+                        owner_share=plan.shares.get(p.owner, 0.0) / HOUR) for p in mine],
+        others_waiting=len(others), others_ahead=sum(1 for p in others if first is None or p.position < first),
+        you=you, reservation=reservation)
+
+
+class TeamBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weight: float = Field(1.0, gt=0, le=1000, description="its share of the pool relative to other teams")
+    max_slots: int | None = Field(None, ge=0, le=1_000_000, description="slots its running jobs may hold at once")
+
+
+class TeamPublic(TeamBody):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    members: list[str] = []
+    usage_device_hours: float = 0.0
+
+
+class TeamsPublic(BaseModel):
+    data: list[TeamPublic]
+    count: int
+
+
+@router.put("/teams/{name}", response_model=TeamPublic, responses=responses(400, 403, 413))
+def put_team(name: Name, body: TeamBody, db: SessionDep, _admin: AdminDep) -> TeamPublic:
+    row = db.get(Team, name)
+    if row is None:
+        row = Team(name=name)
+        db.add(row)
+    row.weight, row.max_slots = body.weight, body.max_slots
+    db.commit()
+    return _team(db, row, {})
+
+
+@router.get("/teams", response_model=TeamsPublic)
+def list_teams(db: SessionDep, settings: SettingsDep, _principal: PrincipalDep) -> TeamsPublic:
+    usage = scheduling.usage_now(db, now=datetime.now(UTC), half_life_s=settings.fair_share_half_life_s)
+    rows = [_team(db, t, usage) for t in db.scalars(select(Team).order_by(Team.name))]
+    return TeamsPublic(data=rows, count=len(rows))
+
+
+@router.delete("/teams/{name}", response_model=TeamPublic, responses=responses(403, 404))
+def delete_team(name: Name, db: SessionDep, _admin: AdminDep) -> TeamPublic:
+    """The team's weight and quota go; its members keep the name (a team of weight 1 and no quota)."""
+    row = db.get(Team, name)
+    if row is None:
+        raise NotFound(f"no team {name!r}")
+    out = _team(db, row, {})
+    db.delete(row)
+    db.commit()
+    return out
+
+
+def _team(db, row: Team, usage: dict[str, float]) -> TeamPublic:
+    members = list(db.scalars(select(User.name).where(User.team == row.name).order_by(User.name)))
+    return TeamPublic(name=row.name, weight=row.weight, max_slots=row.max_slots, members=members,
+                      usage_device_hours=sum(usage.get(m, 0.0) for m in members) / HOUR)
+
+
+class UserPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    team: TeamName | None = Field(None, description="its team; \"\" or null with `clear_team` to leave one")
+    clear_team: bool = False
+    weight: float | None = Field(None, gt=0, le=1000, description="its share within its team (default 1)")
+    max_slots: int | None = Field(None, ge=0, le=1_000_000, description="slots its running jobs may hold at once")
+    clear_max_slots: bool = False
+
+
+class UserPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    team: str | None
+    weight: float
+    max_slots: int | None
+    can_run_entrypoints: bool
+
+
+@router.patch("/users/{name}", response_model=UserPublic, responses=responses(400, 403, 404, 413))
+def patch_user(name: Name, body: UserPatch, db: SessionDep, _admin: AdminDep) -> UserPublic:
+    row = db.get(User, name)
+    if row is None:
+        raise NotFound(f"no user {name!r}")
+    if body.team is not None:
+        row.team = body.team
+    if body.clear_team:
+        row.team = None
+    if body.weight is not None:
+        row.weight = body.weight
+    if body.max_slots is not None:
+        row.max_slots = body.max_slots
+    if body.clear_max_slots:
+        row.max_slots = None
+    db.commit()
+    return UserPublic.model_validate(row)
+
+
+@router.get("/users/{name}", response_model=UserPublic, responses=responses(403, 404))
+def read_user(name: Name, db: SessionDep, principal: PrincipalDep) -> UserPublic:
+    row = db.get(User, name)
+    if row is None or (principal.role != "admin" and principal.user != name):
+        raise NotFound(f"no user {name!r}")
+    return UserPublic.model_validate(row)

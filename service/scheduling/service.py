@@ -1,0 +1,180 @@
+"""The fair pool's reads and writes: the snapshot the policy plans on, usage folded in, preemptions asked for.
+
+The policy (policy.py) is pure; this module turns rows into its snapshot. Usage is kept per owner as decayed
+device-seconds of closed attempts (`usage`, folded in by the sweeper, one writer), plus the running attempts'
+so far and those closed since the last fold, added when a snapshot is read.
+"""
+
+import logging
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.auth.models import User
+from service.db import utcnow
+from service.jobs.models import Attempt, Job
+from service.jobs.service import record_event
+from service.scheduling import policy
+from service.scheduling.models import Team, Usage
+from service.settings import Settings
+from service.workers import fit
+from service.workers import service as workers
+from trainjobs.spec import JobSpec
+from trainjobs.states import AttemptStatus, JobStatus
+
+log = logging.getLogger(__name__)
+MAX_WAITING = 2000  # queued jobs planned per snapshot, oldest first (the rest wait for a later pass)
+FOLD_BATCH = 500  # closed attempts folded into usage per sweeper pass
+
+
+@dataclass(frozen=True)
+class Req:
+    """What a job asks of the pool, from its spec and plan (neither ever changes: cached by job id)."""
+
+    need: fit.Need
+    timeout_s: float
+    spec_priority: str
+    preemptible: bool
+
+
+def req_of(spec: JobSpec, plan: dict | None) -> Req:
+    return Req(fit.need_of(spec, plan), spec.timeout_s, spec.priority, spec.preemptible)
+
+
+def _seconds(t: datetime | None) -> float | None:
+    return t.timestamp() if t is not None else None
+
+
+def policy_settings(settings: Settings) -> policy.Settings:
+    return policy.Settings(policy=settings.scheduler_policy, preempt_after_s=settings.preempt_after_s,
+                           min_runtime_s=settings.min_runtime_s, reserve_after_s=settings.reserve_after_s)
+
+
+def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req] | None = None) -> policy.Snapshot:
+    """The pool as the policy sees it now: queued jobs, jobs holding workers, live workers, usage, accounts."""
+    cache = {} if cache is None else cache
+    now = utcnow()
+    queued = db.execute(select(Job.id, Job.owner, Job.priority, Job.created_at, Job.queued_at, Job.not_before)
+                        .where(Job.status == JobStatus.QUEUED).order_by(Job.created_at, Job.id)
+                        .limit(MAX_WAITING)).all()
+    holding = db.execute(select(Job.id, Job.owner, Job.status, Job.started_at, Job.progress, Job.attempt,
+                                Job.preempt_requested_at).where(Job.status.in_([JobStatus.STARTING,
+                                                                                JobStatus.RUNNING]))).all()
+    # Every attempt not yet in `usage`: the active ones, and those closed since the sweeper last folded.
+    attempts = db.execute(select(Attempt.job_id, Attempt.number, Attempt.worker, Attempt.started_at,
+                                 Attempt.finished_at, Attempt.status, Job.owner)
+                          .join(Job, Job.id == Attempt.job_id).where(Attempt.charged.is_(False))).all()
+    missing = list({r.id for r in (*queued, *holding) if r.id not in cache}
+                   | {a.job_id for a in attempts if a.job_id not in cache})
+    for i in range(0, len(missing), 500):
+        for job_id, spec, plan in db.execute(select(Job.id, Job.spec, Job.plan)
+                                             .where(Job.id.in_(missing[i:i + 500]))):
+            cache[job_id] = req_of(spec, plan)
+    live = [w for w in workers.live(db, lost_after_s=settings.lease_s) if w.state != "draining"]
+
+    by_job: dict[str, list] = {}
+    in_flight: dict[str, float] = {}
+    for a in attempts:
+        if a.status == AttemptStatus.ACTIVE:
+            by_job.setdefault(a.job_id, []).append(a)
+        seconds = ((a.finished_at or now) - a.started_at).total_seconds()
+        in_flight[a.owner] = in_flight.get(a.owner, 0.0) + cache[a.job_id].need.slots * max(0.0, seconds)
+    running = []
+    for r in holding:
+        req = cache[r.id]
+        mine = [a for a in by_job.get(r.id, []) if a.number == r.attempt]
+        eta = (r.progress or {}).get("eta_s")
+        running.append(policy.Running(
+            id=r.id, owner=r.owner, spec_priority=req.spec_priority, slots=req.need.slots, nodes=req.need.nodes,
+            started=_seconds(r.started_at) or now.timestamp(), timeout_s=req.timeout_s,
+            workers=tuple(a.worker for a in mine), need=req.need, eta_s=eta,
+            preemptible=req.preemptible and r.status == JobStatus.RUNNING,
+            preempt_requested=r.preempt_requested_at is not None))
+    waiting = [policy.Waiting(id=r.id, owner=r.owner, priority=r.priority, spec_priority=cache[r.id].spec_priority,
+                              submitted=r.created_at.timestamp(),
+                              queued=(_seconds(r.queued_at) or r.created_at.timestamp()), need=cache[r.id].need,
+                              timeout_s=cache[r.id].timeout_s, not_before=_seconds(r.not_before))
+               for r in queued]
+    nodes = [policy.Node(id=w.id, device=w.device, slots=w.slots, memory_bytes=w.memory_bytes,
+                         labels=dict(w.labels or {}), running=w.current_job) for w in live]
+    owners = {j.owner for j in waiting} | {r.owner for r in running}
+    usage = usage_now(db, now=now, half_life_s=settings.fair_share_half_life_s)
+    for owner, extra in in_flight.items():
+        usage[owner] = usage.get(owner, 0.0) + extra
+    accounts, teams = accounts_of(db, owners | set(usage))
+    return policy.Snapshot(now=now.timestamp(), waiting=waiting, running=running, nodes=nodes, usage=usage,
+                           accounts=accounts, teams=teams, settings=policy_settings(settings))
+
+
+def usage_now(db: Session, *, now: datetime, half_life_s: float) -> dict[str, float]:
+    """Every owner's stored usage, decayed to now (closed attempts only)."""
+    return {u.owner: policy.decayed(u.device_seconds, (now - u.as_of).total_seconds(), half_life_s)
+            for u in db.scalars(select(Usage))}
+
+
+def accounts_of(db: Session, owners: set[str]) -> tuple[dict[str, policy.Account], dict[str, policy.Team]]:
+    accounts = {u.name: policy.Account(team=u.team, weight=u.weight or 1.0, max_slots=u.max_slots)
+                for u in db.scalars(select(User).where(User.name.in_(owners)))} if owners else {}
+    teams = {t.name: policy.Team(weight=t.weight or 1.0, max_slots=t.max_slots) for t in db.scalars(select(Team))}
+    return accounts, teams
+
+
+def fold_usage(db: Session, *, half_life_s: float, batch: int = FOLD_BATCH) -> int:
+    """Charge closed attempts' device-seconds (slots × seconds) to their owners' usage; the sweeper's, one writer.
+
+    The caller commits. An attempt is charged once: the flag and the usage change in one transaction.
+    """
+    rows = db.execute(select(Attempt.id, Attempt.started_at, Attempt.finished_at, Job.owner, Job.spec)
+                      .join(Job, Job.id == Attempt.job_id)
+                      .where(Attempt.finished_at.is_not(None), Attempt.charged.is_(False))
+                      .order_by(Attempt.finished_at).limit(batch)).all()
+    if not rows:
+        return 0
+    now = utcnow()
+    charges: dict[str, float] = {}
+    for r in rows:
+        seconds = max(0.0, (r.finished_at - r.started_at).total_seconds())
+        charges[r.owner] = charges.get(r.owner, 0.0) + r.spec.resources.nproc_per_node * seconds
+    stored = {u.owner: u for u in db.scalars(select(Usage).where(Usage.owner.in_(list(charges)))
+                                            .with_for_update())}
+    for owner, seconds in charges.items():
+        row = stored.get(owner)
+        if row is None:
+            db.add(Usage(owner=owner, device_seconds=seconds, as_of=now))
+        else:
+            row.device_seconds = policy.decayed(row.device_seconds, (now - row.as_of).total_seconds(),
+                                                half_life_s) + seconds
+            row.as_of = now
+    db.execute(update(Attempt).where(Attempt.id.in_([r.id for r in rows])).values(charged=True))
+    return len(rows)
+
+
+def request_preemption(db: Session, p: policy.Preemption) -> bool:
+    """Ask a running job to hand its workers back (its supervisor reads it on its next renewal). The caller
+    commits; False when it no longer runs or was asked already."""
+    done = db.execute(update(Job).where(Job.id == p.victim, Job.status == JobStatus.RUNNING,
+                                        Job.preempt_requested_at.is_(None))
+                      .values(preempt_requested_at=utcnow(), preempt_detail=p.detail)).rowcount == 1
+    if done:
+        record_event(db, job_id=p.victim, kind="preempt_requested", detail=p.detail)
+        log.info("job %s: %s", p.victim, p.detail)
+    return done
+
+
+def apply(db: Session, plan: policy.Plan) -> tuple[int, int]:
+    """The sweeper's part of a plan: each queued job's pending_reason, and the preemptions. The caller commits."""
+    reasons = {p.job_id: p.reason for p in plan.order}
+    changed = 0
+    if reasons:
+        current = dict(db.execute(select(Job.id, Job.pending_reason).where(Job.id.in_(list(reasons)))).all())
+        for job_id, reason in reasons.items():
+            if reason is not None:
+                reason = reason[:1000]
+            if current.get(job_id, reason) != reason:
+                changed += db.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED)
+                                      .values(pending_reason=reason)).rowcount
+    preempted = sum(request_preemption(db, p) for p in plan.preemptions)
+    return changed, preempted
