@@ -175,6 +175,25 @@ def team_of(owner: str, accounts: Mapping[str, Account]) -> str:
     return team if team else f"user:{owner}"
 
 
+class _Fitting:
+    """The live workers that fit a need, in the snapshot's order: computed once per distinct need in a plan.
+
+    Hundreds of waiting jobs share a handful of needs; calling fit.misfit for every job × worker in each of
+    plan's passes was most of its time (bench/scheduler_sim.py)."""
+
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        self.nodes = nodes
+        self.cache: dict[tuple, list[Node]] = {}
+
+    def __call__(self, need: fit.Need) -> list[Node]:
+        key = (need.device, need.slots, need.memory_bytes, need.memory_device, tuple(sorted(need.labels.items())),
+               need.pip)
+        found = self.cache.get(key)
+        if found is None:
+            found = self.cache[key] = [n for n in self.nodes if fit.misfit(need, n) is None]
+        return found
+
+
 def order(snap: Snapshot) -> list[Waiting]:
     """The waiting jobs in the order they would start (priority, then fair share or FIFO, then FIFO)."""
     by_priority: dict[int, list[Waiting]] = defaultdict(list)
@@ -225,6 +244,7 @@ def plan(snap: Snapshot) -> Plan:
     nodes = {n.id: n for n in snap.nodes}
     running = {r.id: r for r in snap.running}
     ordered = order(snap)
+    fitting = _Fitting(list(nodes.values()))
 
     # When each live worker is expected free: now if idle; else by its job's timeout (a bound the supervisor
     # enforces) — `eta_end` by its progress, for estimates shown to users.
@@ -254,13 +274,13 @@ def plan(snap: Snapshot) -> Plan:
     for r in snap.running:
         if r.forming and r.need is not None:
             want = r.nodes - len(r.workers)
-            for w in sorted((nodes[i] for i in free if fit.misfit(r.need, nodes[i]) is None),
+            for w in sorted((n for n in fitting(r.need) if n.id in free),
                             key=lambda n: (n.slots, n.id))[:want]:
                 free.discard(w.id)
                 blocked[w.id] = f"joining the forming gang of job {r.id}"
 
     places: dict[str, Place] = {}
-    reservation = _reserve(ordered, snap, nodes, free, free_by_timeout)
+    reservation = _reserve(ordered, snap, fitting, free, free_by_timeout)
     if reservation is not None:
         job = next(j for j in ordered if j.id == reservation.job_id)
         if reservation.held == len(reservation.workers) and _quota_block(job, snap, held_user, held_team) is None:
@@ -282,7 +302,7 @@ def plan(snap: Snapshot) -> Plan:
         if job.id in places:
             continue
         place = places[job.id] = Place(job.id, job.owner, 0, None)
-        fits = [nodes[i] for i in sorted(nodes) if fit.misfit(job.need, nodes[i]) is None]
+        fits = sorted(fitting(job.need), key=lambda n: n.id)
         rank = PRIORITY_RANK.get(job.priority, 1)
         ahead = (sum(n for p, n in waiting_at.items() if PRIORITY_RANK.get(p, 1) < rank),
                  waiting_at[job.priority] - waiting_own[job.owner, job.priority], waiting_own[job.owner, job.priority])
@@ -316,9 +336,9 @@ def plan(snap: Snapshot) -> Plan:
     for i, job in enumerate(ordered):
         places[job.id].position = i + 1
     order_out = [places[j.id] for j in ordered]
-    _estimate(order_out, ordered, nodes, free_by_eta, now)
+    _estimate(order_out, ordered, fitting, free_by_eta, now)
 
-    preemptions = _preempt(ordered, places, snap, nodes, running)
+    preemptions = _preempt(ordered, places, snap, nodes, fitting, running)
     shares = {o: u / max(snap.accounts.get(o, Account()).weight, 1e-9) for o, u in snap.usage.items()}
     team_use: dict[str, float] = defaultdict(float)
     for owner, used in snap.usage.items():
@@ -369,14 +389,13 @@ def _wait_reason(job: Waiting, fits: list[Node], free: set[str], blocked: dict[s
     return why + ("; behind " + ", ".join(behind) if behind else "")
 
 
-def _reserve(ordered: list[Waiting], snap: Snapshot, nodes: dict[str, Node], free: set[str],
+def _reserve(ordered: list[Waiting], snap: Snapshot, fitting: _Fitting, free: set[str],
              free_by_timeout: dict[str, float]) -> Reservation | None:
     """The oldest job needing several workers that has waited reserve_after_s: the fitting workers free first."""
     big = [j for j in ordered if j.need.nodes > 1 and snap.now - j.queued >= snap.settings.reserve_after_s
            and (j.not_before is None or j.not_before <= snap.now)]
     for job in sorted(big, key=lambda j: (j.queued, j.id)):
-        fits = [n for n in nodes.values() if fit.misfit(job.need, n) is None
-                and (n.id in free or n.running is not None)]
+        fits = [n for n in fitting(job.need) if n.id in free or n.running is not None]
         if len(fits) < job.need.nodes:
             continue  # cannot be filled (workers lost or too few): no reservation for it
         fits.sort(key=lambda n: (free_by_timeout[n.id], n.slots, n.id))
@@ -387,7 +406,7 @@ def _reserve(ordered: list[Waiting], snap: Snapshot, nodes: dict[str, Node], fre
     return None
 
 
-def _estimate(order_out: list[Place], ordered: list[Waiting], nodes: dict[str, Node], free_at: dict[str, float],
+def _estimate(order_out: list[Place], ordered: list[Waiting], fitting: _Fitting, free_at: dict[str, float],
               now: float) -> None:
     """An estimated start for each waiting job: in order, each takes the fitting workers free soonest and holds
     them for its timeout (the bound it may run): so an estimate errs late, never early for a job ahead."""
@@ -400,7 +419,7 @@ def _estimate(order_out: list[Place], ordered: list[Waiting], nodes: dict[str, N
         if place.reason and (place.reason.startswith(("no live worker", "needs", "over ")) and
                              "fit," not in place.reason and "reserved" not in place.reason):
             continue
-        fits = sorted((n for n in nodes.values() if fit.misfit(job.need, n) is None), key=lambda n: timeline[n.id])
+        fits = sorted(fitting(job.need), key=lambda n: timeline[n.id])
         if len(fits) < job.need.nodes:
             continue
         chosen = fits[:job.need.nodes]
@@ -411,7 +430,7 @@ def _estimate(order_out: list[Place], ordered: list[Waiting], nodes: dict[str, N
 
 
 def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, nodes: dict[str, Node],
-             running: dict[str, Running]) -> list[Preemption]:
+             fitting: _Fitting, running: dict[str, Running]) -> list[Preemption]:
     cfg, now = snap.settings, snap.now
     out: list[Preemption] = []
     taken: set[str] = {r.id for r in snap.running if r.preempt_requested}  # already on their way out
@@ -420,7 +439,7 @@ def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, n
         if (place.workers or job.spec_priority != "high" or now - job.queued < cfg.preempt_after_s
                 or (job.not_before is not None and job.not_before > now) or (place.reason or "").startswith("over ")):
             continue
-        fits = {n.id for n in nodes.values() if fit.misfit(job.need, n) is None}
+        fits = {n.id for n in fitting(job.need)}
         if len(fits) < job.need.nodes:
             continue
         # Workers that are (or are about to be) free for it: idle fitting ones, and those of victims in flight.
