@@ -184,13 +184,25 @@ class _Fitting:
     def __init__(self, nodes: Sequence[Node]) -> None:
         self.nodes = nodes
         self.cache: dict[tuple, list[Node]] = {}
+        self.cache_by_id: dict[tuple, list[Node]] = {}
+
+    @staticmethod
+    def key(need: fit.Need) -> tuple:
+        return (need.device, need.slots, need.memory_bytes, need.memory_device, tuple(sorted(need.labels.items())),
+                need.pip)
 
     def __call__(self, need: fit.Need) -> list[Node]:
-        key = (need.device, need.slots, need.memory_bytes, need.memory_device, tuple(sorted(need.labels.items())),
-               need.pip)
+        key = self.key(need)
         found = self.cache.get(key)
         if found is None:
             found = self.cache[key] = [n for n in self.nodes if fit.misfit(need, n) is None]
+        return found
+
+    def by_id(self, need: fit.Need) -> list[Node]:
+        key = self.key(need)
+        found = self.cache_by_id.get(key)
+        if found is None:
+            found = self.cache_by_id[key] = sorted(self(need), key=lambda n: n.id)
         return found
 
 
@@ -211,31 +223,41 @@ def order(snap: Snapshot) -> list[Waiting]:
 
 def _fair_order(jobs: list[Waiting], snap: Snapshot) -> list[Waiting]:
     accounts, teams = snap.accounts, snap.teams
-    user_use = {j.owner: snap.usage.get(j.owner, 0.0) for j in jobs}
-    team_use: dict[str, float] = defaultdict(float)
-    for owner, used in snap.usage.items():
-        team_use[team_of(owner, accounts)] += used
     queues: dict[str, list[Waiting]] = defaultdict(list)
     for job in jobs:  # already in submission order
         queues[job.owner].append(job)
+    # Each owner's team and weights, once: the loop below compares every owner at every step.
+    team: dict[str, str] = {}
+    team_weight: dict[str, float] = {}
+    user_weight: dict[str, float] = {}
+    for owner in queues:
+        account = accounts.get(owner, Account())
+        team[owner] = team_of(owner, accounts)
+        team_weight[owner] = max(account.weight if team[owner].startswith("user:")
+                                 else teams.get(team[owner], Team()).weight, 1e-9)
+        user_weight[owner] = max(account.weight, 1e-9)
+    user_use = {owner: snap.usage.get(owner, 0.0) for owner in queues}
+    team_use: dict[str, float] = defaultdict(float)
+    for owner, used in snap.usage.items():
+        team_use[team_of(owner, accounts)] += used
+    heads = dict.fromkeys(queues, 0)  # owner -> index of its next job
+
+    def key(owner: str) -> tuple:
+        head = queues[owner][heads[owner]]
+        return (team_use[team[owner]] / team_weight[owner], user_use[owner] / user_weight[owner],
+                head.submitted, head.id)
+
     out = []
-    while queues:
-        def key(owner: str) -> tuple:
-            team = team_of(owner, accounts)
-            team_weight = teams.get(team, Team()).weight if not team.startswith("user:") else \
-                accounts.get(owner, Account()).weight
-            user_weight = accounts.get(owner, Account()).weight
-            head = queues[owner][0]
-            return (team_use[team] / max(team_weight, 1e-9), user_use[owner] / max(user_weight, 1e-9),
-                    head.submitted, head.id)
-        owner = min(queues, key=key)
-        job = queues[owner].pop(0)
-        if not queues[owner]:
-            del queues[owner]
+    while heads:
+        owner = min(heads, key=key)
+        job = queues[owner][heads[owner]]
+        heads[owner] += 1
+        if heads[owner] == len(queues[owner]):
+            del heads[owner]
         out.append(job)
         charge = job.need.slots * job.need.nodes * min(job.timeout_s, CHARGE_CAP_S)
         user_use[owner] += charge
-        team_use[team_of(owner, accounts)] += charge
+        team_use[team[owner]] += charge
     return out
 
 
@@ -302,7 +324,7 @@ def plan(snap: Snapshot) -> Plan:
         if job.id in places:
             continue
         place = places[job.id] = Place(job.id, job.owner, 0, None)
-        fits = sorted(fitting(job.need), key=lambda n: n.id)
+        fits = fitting.by_id(job.need)
         rank = PRIORITY_RANK.get(job.priority, 1)
         ahead = (sum(n for p, n in waiting_at.items() if PRIORITY_RANK.get(p, 1) < rank),
                  waiting_at[job.priority] - waiting_own[job.owner, job.priority], waiting_own[job.owner, job.priority])
