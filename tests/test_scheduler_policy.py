@@ -384,3 +384,18 @@ def test_a_worker_is_offered_only_the_jobs_assigned_to_it():
     assert result.for_worker("w8") == ["b"]
     assert result.for_worker("gone") == []
     assert result.place("c").workers == [] and result.place("missing") is None
+
+
+def test_a_gang_over_its_quota_reserves_no_workers():
+    # vision may hold 16 slots and holds 8: its 16-slot gang would be over, so w1 and w2 must not idle for it
+    # (both free, a reservation would be "filled" with a fill time of now, and nothing could backfill).
+    accounts = {"v1": Account(team="vision"), "n1": Account(team="nlp")}
+    snap = snapshot([waiting("gang", "v1", slots=8, nodes=2, submitted=NOW - 400),
+                     waiting("small", "n1", slots=8, submitted=NOW - 1, timeout_s=600)],
+                    [running("other", "v1", ("w3",), slots=8, started=NOW - 100, timeout_s=DAY)],
+                    [node("w1", 8), node("w2", 8), node("w3", 8, "other")],
+                    accounts=accounts, teams={"vision": Team(max_slots=16)})
+    result = plan(snap)
+    assert result.reservation is None
+    assert reason(result, "gang") == "over team quota vision: 8/16 slots in use, needs 16"
+    assert started(result) == {"small": ["w1"]}

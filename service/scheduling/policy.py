@@ -302,7 +302,7 @@ def plan(snap: Snapshot) -> Plan:
                 blocked[w.id] = f"joining the forming gang of job {r.id}"
 
     places: dict[str, Place] = {}
-    reservation = _reserve(ordered, snap, fitting, free, free_by_timeout)
+    reservation = _reserve(ordered, snap, fitting, free, free_by_timeout, held_user, held_team)
     if reservation is not None:
         job = next(j for j in ordered if j.id == reservation.job_id)
         if reservation.held == len(reservation.workers) and _quota_block(job, snap, held_user, held_team) is None:
@@ -412,10 +412,13 @@ def _wait_reason(job: Waiting, fits: list[Node], free: set[str], blocked: dict[s
 
 
 def _reserve(ordered: list[Waiting], snap: Snapshot, fitting: _Fitting, free: set[str],
-             free_by_timeout: dict[str, float]) -> Reservation | None:
+             free_by_timeout: dict[str, float], held_user: dict, held_team: dict) -> Reservation | None:
     """The oldest job needing several workers that has waited reserve_after_s: the fitting workers free first."""
     big = [j for j in ordered if j.need.nodes > 1 and snap.now - j.queued >= snap.settings.reserve_after_s
-           and (j.not_before is None or j.not_before <= snap.now)]
+           and (j.not_before is None or j.not_before <= snap.now)
+           # NOTE: a gang over its quota could not start on the workers it held, and once all are free the
+           # fill time is now, so nothing could backfill them: they would idle until the quota frees.
+           and _quota_block(j, snap, held_user, held_team) is None]
     for job in sorted(big, key=lambda j: (j.queued, j.id)):
         fits = [n for n in fitting(job.need) if n.id in free or n.running is not None]
         if len(fits) < job.need.nodes:
