@@ -399,3 +399,22 @@ def test_a_gang_over_its_quota_reserves_no_workers():
     assert result.reservation is None
     assert reason(result, "gang") == "over team quota vision: 8/16 slots in use, needs 16"
     assert started(result) == {"small": ["w1"]}
+
+
+def test_two_high_jobs_preempt_two_victims_in_one_plan():
+    # One victim frees one worker: it counts as freeing for the first high job only, so the second preempts
+    # its own victim now rather than a hand-back later.
+    snap = snapshot([waiting("h1", "bob", priority="high", submitted=NOW - 120),
+                     waiting("h2", "bob", priority="high", submitted=NOW - 100)],
+                    [old_low("l1", "w1"), old_low("l2", "w2", owner="carol")],
+                    [node("w1", 1, "l1"), node("w2", 1, "l2")], usage={"alice": 100.0})
+    result = plan(snap)
+    assert [(p.victim, p.for_job) for p in result.preemptions] == [("l1", "h1"), ("l2", "h2")]
+
+
+def test_a_victim_already_asked_to_stop_frees_a_worker_for_one_high_job_only():
+    snap = snapshot([waiting("h1", "bob", priority="high", submitted=NOW - 120),
+                     waiting("h2", "bob", priority="high", submitted=NOW - 100)],
+                    [old_low("leaving", "w1", preempt_requested=True), old_low("staying", "w2")],
+                    [node("w1", 1, "leaving"), node("w2", 1, "staying")])
+    assert [(p.victim, p.for_job) for p in plan(snap).preemptions] == [("staying", "h2")]

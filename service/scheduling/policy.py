@@ -459,6 +459,7 @@ def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, n
     cfg, now = snap.settings, snap.now
     out: list[Preemption] = []
     taken: set[str] = {r.id for r in snap.running if r.preempt_requested}  # already on their way out
+    promised: set[str] = set()  # workers counted as coming for a job earlier in the order: not for another
     for job in ordered:
         place = places[job.id]
         if (place.workers or job.spec_priority != "high" or now - job.queued < cfg.preempt_after_s
@@ -470,7 +471,9 @@ def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, n
         # Workers that are (or are about to be) free for it: idle fitting ones, and those of victims in flight.
         coming = {w for w in fits if nodes[w].running is None}
         coming |= {w for v in taken for w in running[v].workers if w in fits}
+        coming -= promised
         if len(coming) >= job.need.nodes:
+            promised |= set(sorted(coming)[:job.need.nodes])
             continue  # it waits for those; no new victim
         rank = PRIORITY_RANK[job.spec_priority]
         candidates = [r for r in snap.running if r.id not in taken and r.preemptible and not r.forming
@@ -490,6 +493,7 @@ def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, n
             coming |= {w for w in r.workers if w in fits}
         if len(coming) < job.need.nodes:
             continue  # preempting every candidate would still not free a fit: preempt nobody
+        promised |= coming
         for r in chosen:
             taken.add(r.id)
             out.append(Preemption(r.id, job.id, f"preempted by job {job.id} (priority {job.spec_priority}, "
