@@ -330,7 +330,7 @@ def report(name: str, sim: Sim, jobs: list[Job], wall: float) -> dict:
     for j in jobs:
         demand[j.owner] += j.gpus * j.work_s
     month_f = fairness(month_alloc, demand)
-    # daily: demand = the backlog owed at the day's start + that day's submissions (carried by a running sum)
+    # weekly: demand = the backlog owed at the week's start + that week's submissions (carried by a running sum)
     owed: dict[str, float] = defaultdict(float)
     subs = demand_by_day(jobs)
     weekly = []
