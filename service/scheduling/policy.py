@@ -16,7 +16,8 @@ function on a simulated month. The rules, in order:
    it waits (never fails), whatever its place.
 4. **Reservations**: a job that needs more than one worker (a gang) and has waited `reserve_after_s` (the
    oldest such one) reserves the fitting workers that free up first; those finish what they run and take
-   only a job whose timeout ends before the reservation is expected to be filled (backfill). A gang that is
+   only a job whose timeout ends before the reservation is expected to be filled (backfill), or one of higher
+   priority than the job the reservation is for (priority first, always). A gang that is
    forming (its node 0 claimed) holds the free workers it still needs the same way.
 5. **Preemption**: a job of spec priority `high` that has waited `preempt_after_s` and that no free worker
    fits preempts running jobs of strictly lower spec priority that are preemptible and have run
@@ -180,6 +181,37 @@ def team_of(owner: str, accounts: Mapping[str, Account]) -> str:
     return team if team else f"user:{owner}"
 
 
+class _Fitting:
+    """The live workers that fit a need, in the snapshot's order: computed once per distinct need in a plan.
+
+    Hundreds of waiting jobs share a handful of needs; calling fit.misfit for every job × worker in each of
+    plan's passes was most of its time (bench/scheduler_sim.py)."""
+
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        self.nodes = nodes
+        self.cache: dict[tuple, list[Node]] = {}
+        self.cache_by_id: dict[tuple, list[Node]] = {}
+
+    @staticmethod
+    def key(need: fit.Need) -> tuple:
+        return (need.device, need.slots, need.memory_bytes, need.memory_device, tuple(sorted(need.labels.items())),
+                need.pip)
+
+    def __call__(self, need: fit.Need) -> list[Node]:
+        key = self.key(need)
+        found = self.cache.get(key)
+        if found is None:
+            found = self.cache[key] = [n for n in self.nodes if fit.misfit(need, n) is None]
+        return found
+
+    def by_id(self, need: fit.Need) -> list[Node]:
+        key = self.key(need)
+        found = self.cache_by_id.get(key)
+        if found is None:
+            found = self.cache_by_id[key] = sorted(self(need), key=lambda n: n.id)
+        return found
+
+
 def order(snap: Snapshot) -> list[Waiting]:
     """The waiting jobs in the order they would start (priority, then fair share or FIFO, then FIFO)."""
     by_priority: dict[int, list[Waiting]] = defaultdict(list)
@@ -197,31 +229,41 @@ def order(snap: Snapshot) -> list[Waiting]:
 
 def _fair_order(jobs: list[Waiting], snap: Snapshot) -> list[Waiting]:
     accounts, teams = snap.accounts, snap.teams
-    user_use = {j.owner: snap.usage.get(j.owner, 0.0) for j in jobs}
-    team_use: dict[str, float] = defaultdict(float)
-    for owner, used in snap.usage.items():
-        team_use[team_of(owner, accounts)] += used
     queues: dict[str, list[Waiting]] = defaultdict(list)
     for job in jobs:  # already in submission order
         queues[job.owner].append(job)
+    # Each owner's team and weights, once: the loop below compares every owner at every step.
+    team: dict[str, str] = {}
+    team_weight: dict[str, float] = {}
+    user_weight: dict[str, float] = {}
+    for owner in queues:
+        account = accounts.get(owner, Account())
+        team[owner] = team_of(owner, accounts)
+        team_weight[owner] = max(account.weight if team[owner].startswith("user:")
+                                 else teams.get(team[owner], Team()).weight, 1e-9)
+        user_weight[owner] = max(account.weight, 1e-9)
+    user_use = {owner: snap.usage.get(owner, 0.0) for owner in queues}
+    team_use: dict[str, float] = defaultdict(float)
+    for owner, used in snap.usage.items():
+        team_use[team_of(owner, accounts)] += used
+    heads = dict.fromkeys(queues, 0)  # owner -> index of its next job
+
+    def key(owner: str) -> tuple:
+        head = queues[owner][heads[owner]]
+        return (team_use[team[owner]] / team_weight[owner], user_use[owner] / user_weight[owner],
+                head.submitted, head.id)
+
     out = []
-    while queues:
-        def key(owner: str) -> tuple:
-            team = team_of(owner, accounts)
-            team_weight = teams.get(team, Team()).weight if not team.startswith("user:") else \
-                accounts.get(owner, Account()).weight
-            user_weight = accounts.get(owner, Account()).weight
-            head = queues[owner][0]
-            return (team_use[team] / max(team_weight, 1e-9), user_use[owner] / max(user_weight, 1e-9),
-                    head.submitted, head.id)
-        owner = min(queues, key=key)
-        job = queues[owner].pop(0)
-        if not queues[owner]:
-            del queues[owner]
+    while heads:
+        owner = min(heads, key=key)
+        job = queues[owner][heads[owner]]
+        heads[owner] += 1
+        if heads[owner] == len(queues[owner]):
+            del heads[owner]
         out.append(job)
         charge = job.need.slots * job.need.nodes * min(job.timeout_s, CHARGE_CAP_S)
         user_use[owner] += charge
-        team_use[team_of(owner, accounts)] += charge
+        team_use[team[owner]] += charge
     return out
 
 
@@ -230,6 +272,7 @@ def plan(snap: Snapshot) -> Plan:
     nodes = {n.id: n for n in snap.nodes}
     running = {r.id: r for r in snap.running}
     ordered = order(snap)
+    fitting = _Fitting(list(nodes.values()))
 
     # When each live worker is expected free: now if idle; else by its job's timeout (a bound the supervisor
     # enforces) — `eta_end` by its progress, for estimates shown to users.
@@ -259,18 +302,17 @@ def plan(snap: Snapshot) -> Plan:
     for r in snap.running:
         if r.forming and r.need is not None:
             want = r.nodes - len(r.workers)
-            for w in sorted((nodes[i] for i in free if fit.misfit(r.need, nodes[i]) is None),
+            for w in sorted((n for n in fitting(r.need) if n.id in free),
                             key=lambda n: (n.slots, n.id))[:want]:
                 free.discard(w.id)
                 blocked[w.id] = f"joining the forming gang of job {r.id}"
 
     places: dict[str, Place] = {}
-    reservation = _reserve(ordered, snap, nodes, free, free_by_timeout)
-    if reservation is not None and _quota_block(next(j for j in ordered if j.id == reservation.job_id), snap,
-                                                held_user, held_team) is not None:
-        reservation = None  # over its quota, it could not start on them anyway: the workers stay free
+    reservation = _reserve(ordered, snap, fitting, free, free_by_timeout, held_user, held_team)
+    reserved_rank = -1
     if reservation is not None:
         job = next(j for j in ordered if j.id == reservation.job_id)
+        reserved_rank = PRIORITY_RANK.get(job.priority, 1)
         if reservation.held == len(reservation.workers):
             # Filled: it starts now on its reserved workers (node 0 on any of them; the rest join the gang).
             for w in reservation.workers:
@@ -285,18 +327,13 @@ def plan(snap: Snapshot) -> Plan:
 
     # Assign in order, best fit; count the jobs still waiting ahead of each one, for its reason.
     # Per set of workers that fit (jobs that compete for the same workers): the waiting ahead, by priority and by
-    # owner and priority. Needs repeat, so the fit is worked out once per distinct need.
-    fits_of: dict[tuple, list[Node]] = {}
+    # owner and priority.
     waiting_by_fit: dict[frozenset[str], dict[tuple, int]] = defaultdict(lambda: defaultdict(int))
     for job in ordered:
         if job.id in places:
             continue
         place = places[job.id] = Place(job.id, job.owner, 0, None)
-        need_key = (job.need.device, job.need.slots, job.need.memory_bytes, job.need.memory_device,
-                    tuple(sorted(job.need.labels.items())), job.need.pip)
-        if need_key not in fits_of:
-            fits_of[need_key] = [nodes[i] for i in sorted(nodes) if fit.misfit(job.need, nodes[i]) is None]
-        fits = fits_of[need_key]
+        fits = fitting.by_id(job.need)
         fit_ids = frozenset(w.id for w in fits)
         counts: dict[tuple, int] = defaultdict(int)
         for ids, seen in waiting_by_fit.items():
@@ -315,9 +352,11 @@ def plan(snap: Snapshot) -> Plan:
             place.reason = why
         else:
             usable = [w for w in fits if w.id in free]
-            if reservation is not None and job.id != reservation.job_id and reservation.fill_at is not None \
-                    and now + job.timeout_s <= reservation.fill_at:
-                # backfill: a reserved free worker, for a job that ends before the reservation fills
+            if reservation is not None and job.id != reservation.job_id and (
+                    (reservation.fill_at is not None and now + job.timeout_s <= reservation.fill_at)
+                    or PRIORITY_RANK.get(job.priority, 1) < reserved_rank):
+                # backfill: a reserved free worker, for a job that ends before the reservation fills; and a
+                # reservation never holds a worker from a job of higher priority than the one it is for
                 usable += [w for w in fits if w.id in reservation.workers and blocked.get(w.id, "").startswith(
                     "reserved")]
             usable.sort(key=lambda n: (n.slots, n.id))
@@ -336,9 +375,9 @@ def plan(snap: Snapshot) -> Plan:
     for i, job in enumerate(ordered):
         places[job.id].position = i + 1
     order_out = [places[j.id] for j in ordered]
-    _estimate(order_out, ordered, nodes, free_by_eta, now)
+    _estimate(order_out, ordered, fitting, free_by_eta, now)
 
-    preemptions = _preempt(ordered, places, snap, nodes, running)
+    preemptions = _preempt(ordered, places, snap, nodes, fitting, running)
     shares = {o: u / max(snap.accounts.get(o, Account()).weight, 1e-9) for o, u in snap.usage.items()}
     team_use: dict[str, float] = defaultdict(float)
     for owner, used in snap.usage.items():
@@ -389,14 +428,16 @@ def _wait_reason(job: Waiting, fits: list[Node], free: set[str], blocked: dict[s
     return why + ("; behind " + ", ".join(behind) if behind else "")
 
 
-def _reserve(ordered: list[Waiting], snap: Snapshot, nodes: dict[str, Node], free: set[str],
-             free_by_timeout: dict[str, float]) -> Reservation | None:
+def _reserve(ordered: list[Waiting], snap: Snapshot, fitting: _Fitting, free: set[str],
+             free_by_timeout: dict[str, float], held_user: dict, held_team: dict) -> Reservation | None:
     """The oldest job needing several workers that has waited reserve_after_s: the fitting workers free first."""
     big = [j for j in ordered if j.need.nodes > 1 and snap.now - j.queued >= snap.settings.reserve_after_s
-           and (j.not_before is None or j.not_before <= snap.now)]
+           and (j.not_before is None or j.not_before <= snap.now)
+           # NOTE: a gang over its quota could not start on the workers it held, and once all are free the
+           # fill time is now, so nothing could backfill them: they would idle until the quota frees.
+           and _quota_block(j, snap, held_user, held_team) is None]
     for job in sorted(big, key=lambda j: (j.queued, j.id)):
-        fits = [n for n in nodes.values() if fit.misfit(job.need, n) is None
-                and (n.id in free or n.running is not None)]
+        fits = [n for n in fitting(job.need) if n.id in free or n.running is not None]
         if len(fits) < job.need.nodes:
             continue  # cannot be filled (workers lost or too few): no reservation for it
         fits.sort(key=lambda n: (free_by_timeout[n.id], n.slots, n.id))
@@ -407,7 +448,7 @@ def _reserve(ordered: list[Waiting], snap: Snapshot, nodes: dict[str, Node], fre
     return None
 
 
-def _estimate(order_out: list[Place], ordered: list[Waiting], nodes: dict[str, Node], free_at: dict[str, float],
+def _estimate(order_out: list[Place], ordered: list[Waiting], fitting: _Fitting, free_at: dict[str, float],
               now: float) -> None:
     """An estimated start for each waiting job: in order, each takes the fitting workers free soonest and holds
     them for its timeout (the bound it may run): so an estimate errs late, never early for a job ahead."""
@@ -420,7 +461,7 @@ def _estimate(order_out: list[Place], ordered: list[Waiting], nodes: dict[str, N
         if place.reason and (place.reason.startswith(("no live worker", "needs", "over ")) and
                              "fit," not in place.reason and "reserved" not in place.reason):
             continue
-        fits = sorted((n for n in nodes.values() if fit.misfit(job.need, n) is None), key=lambda n: timeline[n.id])
+        fits = sorted(fitting(job.need), key=lambda n: timeline[n.id])
         if len(fits) < job.need.nodes:
             continue
         chosen = fits[:job.need.nodes]
@@ -431,22 +472,25 @@ def _estimate(order_out: list[Place], ordered: list[Waiting], nodes: dict[str, N
 
 
 def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, nodes: dict[str, Node],
-             running: dict[str, Running]) -> list[Preemption]:
+             fitting: _Fitting, running: dict[str, Running]) -> list[Preemption]:
     cfg, now = snap.settings, snap.now
     out: list[Preemption] = []
     taken: set[str] = {r.id for r in snap.running if r.preempt_requested}  # already on their way out
+    promised: set[str] = set()  # workers counted as coming for a job earlier in the order: not for another
     for job in ordered:
         place = places[job.id]
         if (place.workers or job.spec_priority != "high" or now - job.queued < cfg.preempt_after_s
                 or (job.not_before is not None and job.not_before > now) or (place.reason or "").startswith("over ")):
             continue
-        fits = {n.id for n in nodes.values() if fit.misfit(job.need, n) is None}
+        fits = {n.id for n in fitting(job.need)}
         if len(fits) < job.need.nodes:
             continue
         # Workers that are (or are about to be) free for it: idle fitting ones, and those of victims in flight.
         coming = {w for w in fits if nodes[w].running is None}
         coming |= {w for v in taken for w in running[v].workers if w in fits}
+        coming -= promised
         if len(coming) >= job.need.nodes:
+            promised |= set(sorted(coming)[:job.need.nodes])
             continue  # it waits for those; no new victim
         rank = PRIORITY_RANK[job.spec_priority]
         candidates = [r for r in snap.running if r.id not in taken and r.preemptible and not r.forming
@@ -466,6 +510,7 @@ def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, n
             coming |= {w for w in r.workers if w in fits}
         if len(coming) < job.need.nodes:
             continue  # preempting every candidate would still not free a fit: preempt nobody
+        promised |= coming
         for r in chosen:
             taken.add(r.id)
             out.append(Preemption(r.id, job.id, f"preempted by job {job.id} (priority {job.spec_priority}, "
