@@ -17,6 +17,7 @@ from service.cli import gc as gc_cli
 from service.cli import run as run_cli
 from service.cli import tables
 from service.cli import tokens as auth_cli
+from service.cli import webhooks as webhooks_cli
 from service.cli.follow import exit_code, follow, print_outcome
 from service.settings import Settings, check_bind, get_settings
 from trainjobs.client import APIError, Client, find_token
@@ -274,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiments_cli.register(sub)
     auth_cli.register(sub)
     gc_cli.register(sub)
+    webhooks_cli.register(sub)
     return parser
 
 

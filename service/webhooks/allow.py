@@ -83,7 +83,7 @@ def resolve(url: httpx.URL, policy: Policy) -> list[Address]:
         try:
             infos = socket.getaddrinfo(host, url.port or (443 if url.scheme == "https" else 80),
                                        type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: an IDNA error, a NUL in the name
             raise Refused(f"url's host {host!r} does not resolve ({exc})") from None
         found = list(dict.fromkeys(ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos))
     refused = [a for a in found if not policy.admits(a)]

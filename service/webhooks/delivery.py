@@ -41,14 +41,15 @@ def body_of(hook: Webhook, payload: dict) -> bytes:
 
 
 def slack_text(payload: dict) -> str:
+    """One line: "trainjobs: job lr-3e-4 (0190...) of alice failed (attempt 1, step 20): boom"."""
     job = payload.get("job")
     if job is None:
         return f"trainjobs: {payload['event']} ({payload['id']})"
-    error = (job.get("error") or {}).get("message")
     step = (job.get("progress") or {}).get("step")
-    words = f"trainjobs: {payload['event']}: job {job['name']} ({job['id']}) of {job['owner']} is {job['status']}"
-    words += f", attempt {job['attempt']}" + (f", step {step}" if step else "")
-    return words + (f": {error}" if error else "")
+    error = (job.get("error") or {}).get("message")
+    what = payload["event"].removeprefix("job.")
+    return (f"trainjobs: job {job['name']} ({job['id']}) of {job['owner']} {what} (attempt {job['attempt']}"
+            f"{f', step {step}' if step else ''})" + (f": {error}" if error else ""))
 
 
 def send(client: httpx.Client, hook: Webhook, payload: dict, policy: allow.Policy) -> outbox.Outcome:
