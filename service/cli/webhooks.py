@@ -3,7 +3,7 @@
 import json
 
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from service.webhooks.outbox import EVENTS
 from trainjobs.client import Client
@@ -29,7 +29,7 @@ def cmd_list(args, client: Client) -> int:
     if args.json:
         print(json.dumps(page, indent=2))
         return 0
-    table = Table("id", "url", "events", "format", "owner", "secret", "created")
+    table = Table(Column("id", no_wrap=True), "url", "events", "format", "owner", "secret", "created")
     for h in page["data"]:
         owner = h["owner"] + (" (all users)" if h["all_users"] else "")
         table.add_row(h["id"], h["url"], ", ".join(h["events"]), h["format"], owner, h["secret_hint"],
@@ -52,7 +52,8 @@ def cmd_deliveries(args, client: Client) -> int:
     if args.json:
         print(json.dumps(page, indent=2))
         return 0
-    table = Table("event id", "event", "subject", "status", "tries", "last answer", "next try", "created")
+    table = Table(Column("event id", no_wrap=True), "event", "subject", "status", "tries", "last answer", "next try",
+                  "created")
     for d in page["data"]:
         answer = str(d["last_status_code"]) if d["last_status_code"] is not None else (d["last_error"] or "")
         table.add_row(d["event_id"], d["event"], d["subject"], d["status"], str(d["attempts"]), answer[:60],
