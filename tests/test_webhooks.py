@@ -277,3 +277,17 @@ def test_the_test_route_sends_one_signed_event_and_shows_it_in_the_deliveries(cl
         client.post(f"/v1/webhooks/{slack['id']}/test")
         assert set(receiver.delivered()[-1]["json"]) == {"text"}
     time.sleep(0)  # the receiver is closed; nothing more is sent to it
+
+
+def test_metrics_show_the_webhook_backlog_and_its_oldest_event(client, sessions):
+    hook = add_hook(sessions)
+    with sessions() as db:  # an event of an hour ago, its receiver down since
+        db.add(Delivery(webhook_id=hook, event_id="evt_old", event="job.failed", subject="job/x", payload={},
+                        status="pending", attempts=9, created_at=utcnow() - timedelta(hours=1),
+                        next_attempt_at=utcnow() + timedelta(hours=1)))
+        db.commit()
+    text = client.get("/metrics").text
+    assert "trainjobs_webhook_deliveries_pending 1.0" in text
+    (age,) = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("trainjobs_webhook_oldest_pending_seconds ")]
+    assert 3590 < age < 3700

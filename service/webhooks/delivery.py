@@ -46,8 +46,9 @@ def slack_text(payload: dict) -> str:
     if job is None:
         return f"trainjobs: {payload['event']} ({payload['id']})"
     step = (job.get("progress") or {}).get("step")
-    error = (job.get("error") or {}).get("message")
     what = payload["event"].removeprefix("job.")
+    # Only a failure's: a retried job's next start still carries the error of the attempt before.
+    error = (job.get("error") or {}).get("message") if what == "failed" else None
     return (f"trainjobs: job {job['name']} ({job['id']}) of {job['owner']} {what} (attempt {job['attempt']}"
             f"{f', step {step}' if step else ''})" + (f": {error}" if error else ""))
 

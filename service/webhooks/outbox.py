@@ -7,7 +7,9 @@ Every move of a row is a compare-and-set, as a job's are: a delivery loop claims
 still pending and unclaimed (or its claim lapsed: the process that held it died), and settles it only while
 it still holds the claim. So two API processes never send one row at once, and a crash leaves nothing stuck.
 Order: a row is due only when no earlier row of its (webhook, subject) is pending, so event n+1 of a job is
-never sent before event n is delivered or given up.
+never sent before event n is delivered or given up. NOTE: ids follow the order of a job's changes because each
+change locks the job's row (the CAS's UPDATE, or hold's FOR UPDATE) before its event is inserted: event n+1
+takes its id only after event n's transaction has committed, so no reader sees n+1 without n.
 """
 
 import secrets
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, ScalarSelect, delete, exists, or_, select, update
+from sqlalchemy import ColumnElement, ScalarSelect, delete, exists, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from service.db import utcnow
@@ -137,6 +139,13 @@ def settle(db: Session, *, claimed: Claimed, by: str, outcome: Outcome, backoff:
                        .values(**values).execution_options(synchronize_session=False)).rowcount
     db.commit()
     return values.get("status", PENDING) if moved == 1 else None
+
+
+def backlog(db: Session) -> tuple[int, datetime | None]:
+    """Pending rows (an index range: settled rows are not read) and the oldest one's event time."""
+    count, oldest = db.execute(select(func.count(), func.min(Delivery.created_at))
+                               .where(Delivery.status == PENDING)).one()
+    return count, oldest
 
 
 def prune(db: Session, *, before: datetime, batch: int = 1000) -> int:
