@@ -4,6 +4,7 @@ databases), and the API's routes (owner isolation, the refused URL, the secret n
 import hashlib
 import hmac
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -18,7 +19,7 @@ from service.settings import Settings
 from service.webhooks import allow, delivery, outbox
 from service.webhooks.models import Delivery, Webhook
 from tests.conftest import QUEUE_PREFIX, REDIS_URL, mlp_spec
-from tests.helpers import Receiver
+from tests.helpers import Receiver, wait_for
 from tests.test_auth import make_token
 from trainjobs import webhooks as signing
 from trainjobs.spec import JobSpec
@@ -291,3 +292,37 @@ def test_metrics_show_the_webhook_backlog_and_its_oldest_event(client, sessions)
     (age,) = [float(line.split()[-1]) for line in text.splitlines()
               if line.startswith("trainjobs_webhook_oldest_pending_seconds ")]
     assert 3590 < age < 3700
+
+
+def test_two_delivery_loops_on_one_outbox_send_each_event_once_and_each_subject_in_order(sessions, tmp_path):
+    """Two API processes' loops (two Deliverers, each its own claims) racing over 3 subjects × 6 events."""
+    with Receiver() as receiver:
+        with sessions() as db:
+            hook = Webhook(id="wh_race", owner="admin", url=receiver.url, events=list(outbox.EVENTS), format="json",
+                           secret=SECRET, all_users=False, created_at=utcnow())
+            db.add(hook)
+            db.commit()
+            for n in range(6):
+                for subject in ("a", "b", "c"):
+                    outbox.emit(db, event="job.started", subject=f"job/{subject}", owner="admin",
+                                data=lambda s=subject, n=n: {"job": {"id": s, "n": n}})
+            db.commit()
+        conf = Settings(data_dir=tmp_path, webhook_allow="127.0.0.1", webhook_poll_s=0.05, webhook_concurrency=4,
+                        webhook_backoff_s=0.05, webhook_backoff_max_s=0.05)
+        loops = [delivery.Deliverer(conf, sessions) for _ in range(2)]
+        threads = [threading.Thread(target=loop.run, daemon=True) for loop in loops]
+        for t in threads:
+            t.start()
+        try:
+            wait_for(lambda: len(receiver.delivered()) >= 18, 60, what="18 deliveries")
+        finally:
+            for loop in loops:
+                loop.stop.set()
+                loop.wake.set()
+            for t in threads:
+                t.join(10)
+        got = receiver.delivered()
+        assert len(got) == 18 and len({r["json"]["id"] for r in got}) == 18  # none twice
+        for subject in ("a", "b", "c"):
+            assert [r["json"]["job"]["n"] for r in got if r["json"]["job"]["id"] == subject] == list(range(6))
+        assert {r.status for r in rows(sessions, "wh_race")} == {"delivered"}
