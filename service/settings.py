@@ -73,6 +73,18 @@ class Settings(BaseSettings):
     retention_days: float | None = Field(None, gt=0, description="finished jobs' logs, metric points, events and "
                                          "folders are deleted this many days after they ended (rows stay)")
 
+    # Webhooks (service/webhooks/): the API's delivery loop POSTs each outbox row, retrying with backoff.
+    webhook_allow: str = Field("", description="hosts and CIDRs (comma-separated) a webhook may reach besides "
+                               "public addresses, which are the only ones allowed by default")
+    webhook_timeout_s: float = Field(5.0, gt=0, description="one POST, connect to last byte")
+    webhook_concurrency: int = Field(8, ge=1, description="POSTs in flight per API process")
+    webhook_poll_s: float = Field(1.0, gt=0, description="how often an idle delivery loop looks for due rows")
+    webhook_backoff_s: float = Field(5.0, gt=0, description="the first retry's wait; doubled per failure")
+    webhook_backoff_max_s: float = Field(3600.0, gt=0, description="the longest wait between two tries")
+    webhook_give_up_s: float = Field(86400.0, gt=0, description="a delivery failing this long after its event is "
+                                     "given up (shown as given_up in its deliveries)")
+    webhook_keep_days: float = Field(7.0, gt=0, description="delivered and given-up rows are pruned after this")
+
     # Many machines (service/workers/, worker/gang.py).
     gang_timeout_s: float = Field(60.0, gt=0, description="a multi-node gang not formed by then goes back "
                                   "to the queue and releases its workers")

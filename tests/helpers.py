@@ -141,3 +141,46 @@ def run_torchrun(spec: dict, run_dir: Path, *, attempt: int = 1, job_dir: Path |
 def queued_ids(redis, prefix: str) -> list[str]:
     """Every job id on the RQ queues of a prefix; an id enqueued twice appears twice."""
     return [i for p in PRIORITIES for i in get_queue(redis, prefix, p).get_job_ids()]
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1 (a free port): records every request, answers `status` (settable)."""
+
+    def __init__(self, status: int = 200):
+        import http.server
+        import threading
+
+        self.status, self.requests, self.lock = status, [], threading.Lock()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with receiver.lock:
+                    status = receiver.status
+                    receiver.requests.append({"headers": dict(self.headers), "body": body, "status": status,
+                                              "path": self.path})
+                self.send_response(status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "Receiver":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def delivered(self) -> list[dict]:
+        """The requests answered with a 2xx, each with its parsed body as `json`, in arrival order."""
+        with self.lock:
+            return [{**r, "json": json.loads(r["body"])} for r in self.requests if 200 <= r["status"] < 300]

@@ -368,3 +368,25 @@ class Client:
 
     def revoke_token(self, token_id: str) -> dict:
         return self._call("DELETE", f"/v1/tokens/{token_id}").json()
+
+    def create_webhook(self, url: str, **fields) -> dict:
+        """A webhook for your jobs' events (fields: events, secret, format, all_users); its `secret` shown once."""
+        return self._call("POST", "/v1/webhooks", json={"url": url, **fields}).json()
+
+    def webhooks(self, owner: str | None = None) -> dict:
+        return self._call("GET", "/v1/webhooks", params={"owner": owner} if owner else {}).json()
+
+    def webhook(self, webhook_id: str) -> dict:
+        return self._call("GET", f"/v1/webhooks/{webhook_id}").json()
+
+    def delete_webhook(self, webhook_id: str) -> dict:
+        return self._call("DELETE", f"/v1/webhooks/{webhook_id}").json()
+
+    def webhook_deliveries(self, webhook_id: str, *, status: str | None = None, limit: int = 50) -> dict:
+        """The webhook's deliveries, newest first: tries, status codes, answers, the next try."""
+        params = {"limit": limit} | ({"status": status} if status else {})
+        return self._call("GET", f"/v1/webhooks/{webhook_id}/deliveries", params=params).json()
+
+    def test_webhook(self, webhook_id: str) -> dict:
+        """Send a webhook.test event now (once); its delivery: delivered, or given_up with the status or error."""
+        return self._call("POST", f"/v1/webhooks/{webhook_id}/test").json()

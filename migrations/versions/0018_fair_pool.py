@@ -1,7 +1,7 @@
 """The fair pool: teams, users' team/weight/quota, owners' decayed usage, attempts charged to it, preemption asks
 
 Revision ID: 0018
-Revises: 0014
+Revises: 0016
 Create Date: 2026-12-04 04:00:00.000000
 
 Attempts that closed before this revision are marked charged: the pool's usage starts from the upgrade, rather
@@ -14,7 +14,7 @@ from alembic import op
 from service.db import UTCDateTime
 
 revision = '0018'
-down_revision = '0014'
+down_revision = '0016'
 branch_labels = None
 depends_on = None
 

@@ -1,4 +1,4 @@
-"""The app factory: routers, error handlers, and the sweeper started with the app."""
+"""The app factory: routers, error handlers, and the sweeper and the webhooks' delivery loop started with the app."""
 
 import logging
 import re
@@ -32,6 +32,8 @@ from service.metrics.router import router as metrics_router
 from service.packages.router import router as packages_router
 from service.scheduling.router import router as scheduling_router
 from service.settings import Settings, get_settings
+from service.webhooks.delivery import Deliverer
+from service.webhooks.router import router as webhooks_router
 from service.workers.router import router as workers_router
 
 log = logging.getLogger(__name__)
@@ -48,9 +50,15 @@ async def lifespan(app: FastAPI):
                       on_collect=getattr(app.state, "count_collected", None))
     thread = threading.Thread(target=sweeper.run, name="sweeper", daemon=True)
     thread.start()
+    deliverer = Deliverer(settings, app.state.sessionmaker)  # webhooks: every API process delivers its share
+    delivering = threading.Thread(target=deliverer.run, name="webhooks", daemon=True)
+    delivering.start()
     yield
     sweeper.stop.set()
+    deliverer.stop.set()
+    deliverer.wake.set()
     thread.join(timeout=5)
+    delivering.join(timeout=5)
     app.state.redis.close()
     app.state.engine.dispose()
 
@@ -105,7 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Every /v1 route needs a token, whether or not its own signature asks for the principal, and takes only
     # finite numbers in its body (strict JSON).
     for router in (jobs_router, metrics_router, logs_router, artifacts_router, plan_router, events_router,
-                   auth_router, workers_router, scheduling_router):
+                   auth_router, workers_router, scheduling_router, webhooks_router):
         app.include_router(router, dependencies=[Depends(current_principal), Depends(refuse_non_finite)],
                            responses=responses(401, 422))
     # A package's body is a .tar.gz streamed to disk under its own cap (service/packages/service.py): no JSON.

@@ -24,10 +24,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.auth.deps import current_principal
+from service.db import utcnow
 from service.jobs import counts as job_counts
 from service.jobs import queue
 from service.jobs.models import Job
 from service.metrics.models import Metric as MetricRow
+from service.webhooks import outbox
 from service.workers import service as workers
 from service.workers.models import Worker
 from trainjobs.states import JobStatus
@@ -110,6 +112,12 @@ class ServiceCollector(Collector):
             samples = (seconds(r.started_at, r.finished_at) for r in recent if r.status == status)
             add_samples(durations, [status], samples, DURATION_BUCKETS)
         yield durations
+        pending, oldest = outbox.backlog(db)
+        yield GaugeMetricFamily("trainjobs_webhook_deliveries_pending", "Webhook events not yet delivered nor "
+                                "given up (every webhook's)", value=pending)
+        yield GaugeMetricFamily("trainjobs_webhook_oldest_pending_seconds", "Age of the oldest undelivered webhook "
+                                "event (0: none): a receiver down, or deliveries falling behind",
+                                value=seconds(oldest, utcnow()) if oldest is not None else 0)
 
     def collect_redis(self) -> Iterable[Metric]:
         depth = GaugeMetricFamily("trainjobs_queue_depth", "Jobs waiting in each RQ queue", labels=["priority"])

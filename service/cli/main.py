@@ -18,6 +18,7 @@ from service.cli import pool as pool_cli
 from service.cli import run as run_cli
 from service.cli import tables
 from service.cli import tokens as auth_cli
+from service.cli import webhooks as webhooks_cli
 from service.cli.follow import exit_code, follow, print_outcome
 from service.settings import Settings, check_bind, get_settings
 from trainjobs.client import APIError, Client, find_token
@@ -276,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     auth_cli.register(sub)
     gc_cli.register(sub)
     pool_cli.register(sub)
+    webhooks_cli.register(sub)
     return parser
 
 

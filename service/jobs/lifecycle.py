@@ -74,8 +74,13 @@ def active_nodes(db: Session, *, job_id: str, attempt: int) -> int:
 
 
 def transition(db: Session, *, job_id: str, to: JobStatus, values: dict[str, Any] | None = None,
-               attempt: int | None = None, where: list | None = None, detail: str | None = None) -> bool:
-    """Compare-and-set the job's status from the states ALLOWED_FROM `to`; False means someone else moved it."""
+               attempt: int | None = None, where: list | None = None, detail: str | None = None,
+               notify: str | None = None) -> bool:
+    """Compare-and-set the job's status from the states ALLOWED_FROM `to`; False means someone else moved it.
+
+    The event is recorded in the same transaction, and with it the webhooks' outbox rows (service/jobs/notify.py:
+    the event the new status is, or `notify`'s where the status alone does not say, as for a hand-back).
+    """
     query = update(Job).where(Job.id == job_id, Job.status.in_(ALLOWED_FROM[to]), *(where or []))
     if attempt is not None:  # fencing: only the attempt that holds the job may move it
         query = query.where(Job.attempt == attempt)
@@ -85,7 +90,7 @@ def transition(db: Session, *, job_id: str, to: JobStatus, values: dict[str, Any
     result = db.execute(query.values(status=to, **changes).execution_options(synchronize_session=False))
     if result.rowcount != 1:
         return False
-    record_event(db, job_id=job_id, kind=to, detail=detail)
+    record_event(db, job_id=job_id, kind=to, detail=detail, notify=notify)
     return True
 
 
@@ -389,7 +394,7 @@ def hand_back(db: Session, *, job_id: str, attempt: int, detail: str, node_rank:
     if not close_attempt(db, job_id=job_id, attempt=attempt, status=AttemptStatus.PREEMPTED, node_rank=node_rank):
         return False
     close_gang(db, job_id=job_id, attempt=attempt, why=f"node {node_rank}: {detail}")
-    if transition(db, job_id=job_id, to=JobStatus.QUEUED, attempt=attempt, detail=detail,
+    if transition(db, job_id=job_id, to=JobStatus.QUEUED, attempt=attempt, detail=detail, notify="job.preempted",
                   values={"not_before": utcnow(), "queued_at": utcnow(), "preempt_requested_at": None,
                           "preempt_detail": None}, where=[Job.cancel_requested_at.is_(None)]):
         return True

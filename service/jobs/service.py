@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from service.db import utcnow
 from service.errors import IdempotencyConflict, InvalidRequest, JobNotFound
+from service.jobs import notify as notifications
 from service.jobs.models import Attempt, Job, JobEvent, JobTag
 from trainjobs import plan as memory_plan
 from trainjobs.paths import is_job_id, new_job_id, resolve_data_path
@@ -21,8 +22,12 @@ from trainjobs.states import JobStatus
 DEFAULT_OWNER = "admin"  # the owner of jobs made without a principal (tests, TRAINJOBS_AUTH=off)
 
 
-def record_event(db: Session, *, job_id: str, kind: str, detail: str | None = None) -> None:
+def record_event(db: Session, *, job_id: str, kind: str, detail: str | None = None, notify: str | None = None) -> None:
+    """Append to the job's audit trail; an event webhooks name (or `notify`'s) goes to their outbox with it."""
     db.add(JobEvent(job_id=job_id, kind=kind, detail=detail, time=utcnow()))
+    event = notify or notifications.EVENT_OF_KIND.get(kind)
+    if event is not None:
+        notifications.notify(db, job_id=job_id, event=event)
 
 
 def check_inputs(spec: JobSpec, *, data_dir: Path) -> None:
