@@ -1,5 +1,5 @@
 // The trainjobs dashboard: plain JS over the /v1 API, no build step and no dependency.
-// Charts are drawn by hand as SVG (one <path> per series): three small line charts do not need a library.
+// Charts are drawn by hand as SVG (one <path> per series): a few small line charts do not need a library.
 // Everything that comes from the API reaches the DOM as text (textContent / text nodes), never as HTML.
 "use strict";
 
@@ -227,9 +227,11 @@ function mergeSeries(series, incoming) {
 }
 
 // A line chart: axes with three y ticks, the first and last step, one path per series, a legend if several.
-// zero: the y axis starts at 0 (throughput, memory), so noise does not look like a trend.
-function drawChart(node, lines, { zero = false } = {}) {
-  const W = 360, H = 170, L = 52, R = 10, T = 12, B = 22;
+// zero: the y axis starts at 0 (throughput, memory), so noise does not look like a trend. A line's colour is
+// its `color` (0..9: the compare view keeps a job's colour while another job has no points), else its place.
+// legend: false when the caller draws its own (the compare view's names are too long for the chart's corner).
+function drawChart(node, lines, { zero = false, width: W = 360, height: H = 170, legend = true } = {}) {
+  const L = 52, R = 10, T = 12, B = 22;
   node.setAttribute("viewBox", `0 0 ${W} ${H}`);
   node.replaceChildren();
   const drawn = lines.filter((l) => l.steps.length);
@@ -248,11 +250,14 @@ function drawChart(node, lines, { zero = false } = {}) {
     svg("text", { x: W - R, y: H - 6, class: "tick end" }, `${x1}`));
   drawn.forEach((l, i) => {
     const d = l.steps.map((s, k) => `${k ? "L" : "M"}${px(s).toFixed(1)},${py(l.values[k]).toFixed(1)}`).join("");
-    node.append(svg("path", { d, class: `line s${i}` }));
+    const c = `s${l.color ?? i}`;
+    node.append(svg("path", { d, class: `line ${c}` }));
     if (l.steps.length === 1) {
-      node.append(svg("circle", { cx: px(l.steps[0]), cy: py(l.values[0]), r: 3, class: `dot s${i}` }));
+      node.append(svg("circle", { cx: px(l.steps[0]), cy: py(l.values[0]), r: 3, class: `dot ${c}` }));
     }
-    if (drawn.length > 1) node.append(svg("text", { x: W - R, y: T + 10 + 12 * i, class: `legend end s${i}` }, l.name));
+    if (legend && drawn.length > 1) {
+      node.append(svg("text", { x: W - R, y: T + 10 + 12 * i, class: `legend end ${c}` }, l.name));
+    }
   });
 }
 // nodes: a gang's other nodes' peak memory (node rank → series), one line each beside node 0's.
