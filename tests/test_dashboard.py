@@ -313,3 +313,25 @@ def test_compare_view_overlays_curves_lists_only_differing_spec_fields_and_says_
     expect(page.locator("#compare-metric")).to_have_value("eval_loss")
     expect(page.locator("#compare-chart path.line")).to_have_count(1)
     page.screenshot(path=ARTIFACTS / "dashboard-compare.png", full_page=True)
+
+
+def test_compare_view_follows_a_job_that_has_not_ended(page, api, compared, postgres_url):
+    nowhere = {"nnodes": 1, "nproc_per_node": 1, "device": "cpu", "selector": {"pool": "nowhere"}}
+    live = api.post("/v1/jobs", json=mlp_spec(name="live-1", resources=nowhere)).json()["id"]  # stays queued
+    engine = create_engine(postgres_url)
+
+    def ship(steps):  # as a running job's supervisor does, batch by batch
+        with Session(engine) as db:
+            metrics.insert_batch(db, job_id=live, attempt=1, node_rank=0,
+                                 rows=[(s, "loss", 1 / s, utcnow()) for s in steps])
+            db.commit()
+
+    ship(range(1, 6))
+    page.evaluate(f"location.hash = '#/compare?ids={live},{compared['cmp-a']}'")
+    line = page.locator("#compare-chart path.line.s0")
+    expect(line).to_have_attribute("d", re.compile(r"^M[\d.,]+(L[\d.]+,[\d.]+){4}$"))
+    expect(page.locator("#compare-summary tbody tr").nth(0).locator("td")).to_have_text(["queued", "succeeded"])
+    ship(range(6, 11))
+    expect(line).to_have_attribute("d", re.compile(r"^M[\d.,]+(L[\d.]+,[\d.]+){9}$"), timeout=15_000)  # 5 s poll
+    engine.dispose()
+    api.post(f"/v1/jobs/{live}/cancel")
