@@ -592,10 +592,11 @@ function compareView(query) {
         series: new Map(metrics.series.map((s) => [s.name, s])) });
     } catch (e) {
       // NOTE: the API answers 404 alike for another user's job and for none, so the page cannot say which.
-      // Another refusal (a malformed id) will not mend itself either; an outage or a 429 is tried again.
+      // Another refusal (a malformed id) will not mend itself either; an outage or a 429 is tried again, and
+      // what was drawn before it stays.
       const refused = e.status >= 400 && e.status < 500 && e.status !== 429;
-      Object.assign(run, { job: null, series: new Map(), done: refused,
-        error: e.status === 404 ? "not found" : e.message });
+      if (refused) Object.assign(run, { job: null, series: new Map(), done: true });
+      run.error = e.status === 404 ? "not found" : e.message;
     }
   };
   const renderMetricChoice = () => {
