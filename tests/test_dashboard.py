@@ -6,6 +6,7 @@ Screenshots land in test-artifacts/ at the repository root.
 
 import re
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from service.jobs.models import Job
 from service.metrics import service as metrics
 from tests.conftest import mlp_spec
 from tests.helpers import live_stack, wait_for, wait_terminal
+from tests.test_auth import make_token
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -97,7 +99,7 @@ def test_jobs_table_lists_jobs_newest_first_filters_by_status_and_shows_user_tex
     expect(rows(page).nth(0)).to_contain_text("dash-running")  # newest first
     expect(rows(page).nth(1)).to_contain_text("dash-failed")
     expect(rows(page).nth(1)).to_contain_text("failed")
-    expect(rows(page).nth(0).locator("td").nth(4)).to_have_text("1×2")  # nnodes × nproc_per_node
+    expect(rows(page).nth(0).locator("td").nth(5)).to_have_text("1×2")  # nnodes × nproc_per_node
 
     page.click("#status-filter button[data-status=failed]")
     expect(rows(page)).to_have_count(1)
@@ -196,17 +198,158 @@ def test_a_gang_s_memory_chart_draws_a_line_per_node(page, api, postgres_url):
     api.post(f"/v1/jobs/{job_id}/cancel")
 
 
+# Three of alice's runs that differ only in optimizer.lr, as their workers would have left them, and one of bob's.
+COMPARED = {"cmp-a": 0.01, "cmp-b": 0.003, "cmp-c": 0.001}
+
+
+@pytest.fixture(scope="module")
+def compared(stack, api, postgres_url) -> dict[str, str]:
+    """name → id of alice's three finished runs (curves, summaries) and bob's one ("cmp-bob"); alice's token."""
+    headers = {user: {"Authorization": f"Bearer {make_token(stack.settings, user)}"} for user in ("alice", "bob")}
+    nowhere = {"nnodes": 1, "nproc_per_node": 1, "device": "cpu", "selector": {"pool": "nowhere"}}  # stays queued
+    ids = {}
+    for name, lr in COMPARED.items():
+        spec = mlp_spec(name=name, tags=["study=cmp"], resources=nowhere, optimizer={"type": "adamw", "lr": lr})
+        ids[name] = api.post("/v1/jobs", json=spec, headers=headers["alice"]).json()["id"]
+    spec = mlp_spec(name="cmp-bob", tags=["study=other"], resources=nowhere)
+    ids["cmp-bob"] = api.post("/v1/jobs", json=spec, headers=headers["bob"]).json()["id"]
+    engine = create_engine(postgres_url)
+    now = utcnow()
+    with Session(engine) as db:  # what each run's supervisor would have shipped and recorded
+        for k, name in enumerate(COMPARED):
+            points = [(s, "loss", (k + 1) / s, now) for s in range(1, 21)]
+            points += [(s, "samples_per_s", 100.0 * (k + 1), now) for s in range(1, 21)]
+            if name == "cmp-b":
+                points += [(s, "eval_loss", 2 / s, now) for s in (10, 20)]
+            metrics.insert_batch(db, job_id=ids[name], attempt=1, node_rank=0, rows=points)
+            db.execute(update(Job).where(Job.id == ids[name]).values(
+                status="succeeded", started_at=now - timedelta(seconds=90 + k), finished_at=now,
+                progress={"step": 20, "eta_s": 0},
+                summary={"final_loss": (k + 1) / 20, "steps": 20, "samples_per_s": 100.0 * (k + 1)}))
+        db.commit()
+    engine.dispose()
+    ids["alice_token"] = headers["alice"]["Authorization"].removeprefix("Bearer ")
+    return ids
+
+
+def test_jobs_list_filters_by_name_prefix_and_tag_kept_in_the_url_and_compares_the_picked_jobs(page, compared):
+    expect(rows(page).first).to_be_visible()
+    page.fill("#filter-name", "cmp-")
+    expect(rows(page)).to_have_count(4)  # the admin sees bob's too
+    expect(page).to_have_url(re.compile(r"#/\?name=cmp-$"))
+    page.fill("#filter-tag", "study=cmp")
+    expect(rows(page)).to_have_count(3)
+    expect(rows(page).locator("td:nth-child(3) a")).to_have_text(["cmp-c", "cmp-b", "cmp-a"])  # newest first
+    expect(page).to_have_url(re.compile(r"#/\?name=cmp-&tag=study%3Dcmp$"))
+    page.reload()  # the filters are in the URL: a bookmark shows the same list
+    expect(page.locator("#filter-name")).to_have_value("cmp-")
+    expect(page.locator("#filter-tag")).to_have_value("study=cmp")
+    expect(rows(page)).to_have_count(3)
+    page.click("#jobs-table button.tag >> nth=0")  # a job's tag is a filter too; it is already this one
+    expect(rows(page)).to_have_count(3)
+
+    compare = page.locator("#compare-open")
+    expect(compare).to_be_disabled()
+    page.check("#jobs-table input[aria-label='select cmp-a']")
+    expect(compare).to_be_disabled()  # one job is no comparison
+    page.check("#jobs-table input[aria-label='select cmp-b']")
+    expect(compare).to_be_enabled()
+    page.check("#jobs-table input[aria-label='select cmp-c']")
+    expect(compare).to_have_text("Compare 3")
+    compare.click()
+    ids = ",".join(compared[name] for name in ("cmp-a", "cmp-b", "cmp-c"))
+    expect(page).to_have_url(re.compile(f"#/compare\\?ids={ids}$"))
+    expect(page.locator("#compare-chart path.line")).to_have_count(3)
+    expect(page.locator("#compare-legend li .name")).to_have_text(["cmp-a", "cmp-b", "cmp-c"])
+
+    page.go_back()  # the selection outlives the visit
+    expect(page.locator("#selected-count")).to_have_text("3 selected")
+    page.click("#selected-clear")
+    expect(compare).to_be_disabled()
+    expect(page.locator("#jobs-table input:checked")).to_have_count(0)
+
+
+def test_compare_view_overlays_curves_lists_only_differing_spec_fields_and_says_not_found_for_another_user_s_job(
+        page, compared):
+    page.click("#token-forget")  # alice, who cannot see bob's job
+    page.fill("#token-input", compared["alice_token"])
+    page.click("#token-form button[type=submit]")
+    runs = [compared[name] for name in ("cmp-a", "cmp-b", "cmp-c", "cmp-bob")]
+    page.evaluate(f"location.hash = '#/compare?ids={','.join(runs)}'")
+
+    expect(page.locator("#compare-chart path.line")).to_have_count(3)  # one curve per found job, shared axes
+    expect(page.locator("#compare-chart path.line.s0")).to_have_attribute(
+        "d", re.compile(r"^M[\d.]+,[\d.]+(L[\d.]+,[\d.]+){19}$"))
+    expect(page.locator("#compare-caption")).to_have_text("loss")
+    legend = page.locator("#compare-legend li")
+    expect(legend).to_have_count(4)
+    expect(legend.locator(".name")).to_have_text(["cmp-a", "cmp-b", "cmp-c", compared["cmp-bob"]])
+    expect(legend.nth(0)).to_contain_text(compared["cmp-a"])
+    expect(legend.nth(3)).to_contain_text("not found")
+
+    summary = page.locator("#compare-summary tbody tr")
+    expect(summary.nth(0).locator("td")).to_have_text(["succeeded", "succeeded", "succeeded", "not found"])
+    expect(summary.nth(1).locator("td")).to_have_text(["20/20", "20/20", "20/20", ""])  # steps of max_steps
+    expect(summary.nth(2).locator("td")).to_have_text(["0.05000", "0.1000", "0.1500", ""])  # final loss
+    expect(summary.nth(3).locator("td").nth(2)).to_have_text("300 samples/s")
+    expect(summary.nth(4).locator("td").nth(0)).to_have_text("1m 30s")
+
+    spec = page.locator("#compare-spec tbody tr")
+    expect(spec.locator("th")).to_have_text(["optimizer.lr"])  # the only field that differs
+    expect(spec.nth(0).locator("td")).to_have_text(["0.01", "0.003", "0.001"])
+    expect(page.locator("#compare-same")).to_contain_text("identical fields hidden")
+    page.click("#compare-show-same")
+    expect(page.locator("#compare-spec tbody tr.same th", has_text=re.compile("^optimizer.type$"))).to_have_count(1)
+    expect(page.locator("#compare-spec tbody tr.same th", has_text=re.compile("^name$"))).to_have_count(0)
+
+    # Any metric of any of them: the choice is the union, and it goes into the URL.
+    expect(page.locator("#compare-metric option")).to_have_text(["loss", "eval_loss", "samples_per_s"])
+    page.select_option("#compare-metric", "eval_loss")
+    expect(page.locator("#compare-chart path.line")).to_have_count(1)
+    expect(page.locator("#compare-chart path.line.s1")).to_have_count(1)  # cmp-b keeps its colour
+    expect(legend.nth(0)).to_contain_text("(no eval_loss)")
+    expect(page).to_have_url(re.compile(r"&metric=eval_loss$"))
+    page.reload()
+    expect(page.locator("#compare-metric")).to_have_value("eval_loss")
+    expect(page.locator("#compare-chart path.line")).to_have_count(1)
+    page.screenshot(path=ARTIFACTS / "dashboard-compare.png", full_page=True)
+
+
+def test_compare_view_follows_a_job_that_has_not_ended(page, api, compared, postgres_url):
+    nowhere = {"nnodes": 1, "nproc_per_node": 1, "device": "cpu", "selector": {"pool": "nowhere"}}
+    live = api.post("/v1/jobs", json=mlp_spec(name="live-1", resources=nowhere)).json()["id"]  # stays queued
+    engine = create_engine(postgres_url)
+
+    def ship(steps):  # as a running job's supervisor does, batch by batch
+        with Session(engine) as db:
+            metrics.insert_batch(db, job_id=live, attempt=1, node_rank=0,
+                                 rows=[(s, "loss", 1 / s, utcnow()) for s in steps])
+            db.commit()
+
+    ship(range(1, 6))
+    page.evaluate(f"location.hash = '#/compare?ids={live},{compared['cmp-a']}'")
+    line = page.locator("#compare-chart path.line.s0")
+    expect(line).to_have_attribute("d", re.compile(r"^M[\d.,]+(L[\d.]+,[\d.]+){4}$"))
+    expect(page.locator("#compare-summary tbody tr").nth(0).locator("td")).to_have_text(["queued", "succeeded"])
+    ship(range(6, 11))
+    expect(line).to_have_attribute("d", re.compile(r"^M[\d.,]+(L[\d.]+,[\d.]+){9}$"), timeout=15_000)  # 5 s poll
+    engine.dispose()
+    api.post(f"/v1/jobs/{live}/cancel")
+
+
 def test_the_queue_page_shows_waiting_jobs_in_start_order_with_their_reasons(page, api):
     nowhere = {"nproc_per_node": 1, "device": "cpu", "selector": {"zone": "nowhere"}}  # no worker fits: they wait
     ids = [api.post("/v1/jobs", json=mlp_spec(name=f"dash-wait-{i}", resources=nowhere)).json()["id"]
            for i in range(2)]
     try:
         page.click("header nav a[data-nav=queue]")
-        rows = page.locator("#queue-table tbody tr")
+        rows = page.locator("#queue-table tbody tr").filter(has_text="dash-wait-")  # other tests' jobs wait too
         expect(rows).to_have_count(2)
         expect(rows.nth(0).locator("td").nth(1)).to_have_text("dash-wait-0")
         expect(rows.nth(1).locator("td").nth(1)).to_have_text("dash-wait-1")
         expect(rows.nth(0).locator("td.reason")).to_contain_text("no live worker fits")
+        positions = [int(rows.nth(i).locator("td").nth(0).inner_text()) for i in range(2)]
+        assert positions[0] < positions[1]
         expect(page.locator("#queue-standing")).to_contain_text("policy fair")
     finally:
         for job_id in ids:

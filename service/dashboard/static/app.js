@@ -1,10 +1,11 @@
 // The trainjobs dashboard: plain JS over the /v1 API, no build step and no dependency.
-// Charts are drawn by hand as SVG (one <path> per series): three small line charts do not need a library.
+// Charts are drawn by hand as SVG (one <path> per series): a few small line charts do not need a library.
 // Everything that comes from the API reaches the DOM as text (textContent / text nodes), never as HTML.
 "use strict";
 
 const TOKEN_KEY = "trainjobs.token";
 const PAGE_SIZE = 25, MAX_POINTS = 500, LOG_KEEP = 100_000, MAX_NODE_LINES = 4;
+const MIN_COMPARE = 2, MAX_COMPARE = 10; // as many jobs as the compare view has colours for
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 const SVGNS = "http://www.w3.org/2000/svg";
 const $ = (id) => document.getElementById(id);
@@ -110,19 +111,35 @@ $("token-form").addEventListener("submit", (ev) => {
 });
 $("token-forget").addEventListener("click", () => { localStorage.removeItem(TOKEN_KEY); held.clear(); showToken(); });
 
-// ---- Views: #/ (jobs), #/jobs/<id>, #/queue, #/workers. Each returns its stop().
+// ---- Views: #/?status=&name=&tag= (jobs), #/jobs/<id>, #/compare?ids=a,b&metric=loss, #/queue, #/workers.
+// Each returns its stop(). The hash holds a view's state, so a filtered list or a comparison can be bookmarked
+// and shared.
 let stopView = () => {};
 function show(name) {
   for (const v of document.querySelectorAll(".view")) v.hidden = v.id !== `view-${name}`;
   for (const a of document.querySelectorAll("[data-nav]")) a.classList.toggle("on", a.dataset.nav === name);
 }
+function hashParts() {
+  const hash = location.hash.slice(1) || "/", i = hash.indexOf("?");
+  return i < 0 ? [hash, new URLSearchParams()] : [hash.slice(0, i), new URLSearchParams(hash.slice(i + 1))];
+}
+// The hash for a view and its state (empty values left out; commas kept readable in a list of ids).
+function hashOf(path, params) {
+  const q = Object.entries(params).filter(([, v]) => v)
+    .map(([k, v]) => `${k}=${encodeURIComponent(v).replaceAll("%2C", ",")}`).join("&");
+  return `#${path}${q ? `?${q}` : ""}`;
+}
+// A view's own change of its state: the URL follows without a hashchange (which would restart the view).
+const keepInUrl = (path, params) => history.replaceState(null, "", hashOf(path, params));
 function route() {
   stopView(); report(null);
-  const m = location.hash.match(/^#\/jobs\/([^/]+)$/);
+  const [path, query] = hashParts();
+  const m = path.match(/^\/jobs\/([^/]+)$/);
   if (m) stopView = jobView(decodeURIComponent(m[1]));
-  else if (location.hash === "#/workers") stopView = workersView();
-  else if (location.hash === "#/queue") stopView = queueView();
-  else stopView = jobsView();
+  else if (path === "/workers") stopView = workersView();
+  else if (path === "/queue") stopView = queueView();
+  else if (path === "/compare") stopView = compareView(query);
+  else stopView = jobsView(query);
 }
 window.addEventListener("hashchange", route);
 
@@ -149,20 +166,50 @@ function progressBar(job) {
   return el("div", { cls: "progress" }, fill, el("span", {}, progressText(job)));
 }
 
-const listState = { status: "", cursors: [null] }; // cursors[i]: the cursor of page i (null: the newest)
-function jobsView() {
+// The list's filters come from the URL; the pages' cursors and the jobs picked for a comparison outlive a visit
+// to a job's page (cursors[i]: the cursor of page i, null: the newest).
+const listState = { filterKey: null, cursors: [null], selected: new Map() }; // selected: id → name, in order
+function jobsView(query) {
   show("jobs");
+  const filter = { status: query.get("status") || "", name: query.get("name") || "", tag: query.get("tag") || "" };
+  const filterKey = JSON.stringify(filter);
+  if (filterKey !== listState.filterKey) { listState.filterKey = filterKey; listState.cursors = [null]; }
   const pageUrl = () => {
     const q = new URLSearchParams({ limit: PAGE_SIZE });
-    if (listState.status) q.set("status", listState.status);
+    for (const [k, v] of Object.entries(filter)) if (v) q.set(k, v);
     if (listState.cursors.at(-1)) q.set("cursor", listState.cursors.at(-1));
     return `/v1/jobs?${q}`;
   };
   let next = null, stop = () => {};
+  const selected = listState.selected;
+  const renderSelection = () => {
+    const n = selected.size, fits = n >= MIN_COMPARE && n <= MAX_COMPARE;
+    $("selected-count").textContent = n ? `${n} selected${n > MAX_COMPARE ? ` (at most ${MAX_COMPARE})` : ""}`
+      : `select ${MIN_COMPARE}–${MAX_COMPARE} jobs to compare`;
+    $("selected-clear").hidden = !n;
+    $("compare-open").disabled = !fits;
+    $("compare-open").textContent = fits ? `Compare ${n}` : "Compare";
+  };
+  const pick = (job) => {
+    const box = el("input", { type: "checkbox", "aria-label": `select ${job.name}` });
+    box.checked = selected.has(job.id);
+    box.onchange = () => {
+      if (box.checked) selected.set(job.id, job.name); else selected.delete(job.id);
+      renderSelection();
+    };
+    return box;
+  };
+  const tagLink = (tag) => {
+    const b = el("button", { type: "button", cls: "tag", title: `only jobs tagged ${tag}` }, tag);
+    b.onclick = () => { $("filter-tag").value = tag; applyFilter(); };
+    return b;
+  };
   const render = (body) => {
     const rows = body.items.map((job) => el("tr", { "data-job": job.id },
+      el("td", { cls: "pick" }, pick(job)),
       el("td", {}, statusBadge(job.status)),
-      el("td", {}, el("a", { href: `#/jobs/${encodeURIComponent(job.id)}` }, job.name)),
+      el("td", {}, el("a", { href: `#/jobs/${encodeURIComponent(job.id)}` }, job.name),
+        ...(job.spec.tags || []).map(tagLink)),
       el("td", {}, job.owner), el("td", {}, strategyOf(job)), el("td", { cls: "num" }, worldSize(job.spec)),
       el("td", {}, progressBar(job)),
       el("td", { cls: "age", "data-time": job.created_at, title: when(job.created_at) }, ago(job.created_at))));
@@ -181,18 +228,37 @@ function jobsView() {
       for (const cell of document.querySelectorAll("#jobs-table td.age")) cell.textContent = ago(cell.dataset.time);
     });
   };
+  // A new filter: back to the newest page, the URL rewritten (so the view can be bookmarked), a new poll.
+  const applyFilter = () => {
+    Object.assign(filter, { name: $("filter-name").value.trim(), tag: $("filter-tag").value.trim() });
+    listState.filterKey = JSON.stringify(filter); listState.cursors = [null];
+    keepInUrl("/", filter);
+    restart();
+  };
+  let typing;
+  for (const id of ["filter-name", "filter-tag"]) {
+    $(id).value = filter[id.slice("filter-".length)];
+    $(id).oninput = () => { clearTimeout(typing); typing = setTimeout(applyFilter, 300); };
+  }
+  $("list-filter").onsubmit = (ev) => { ev.preventDefault(); clearTimeout(typing); applyFilter(); };
   for (const chip of document.querySelectorAll("#status-filter button")) {
-    chip.classList.toggle("on", chip.dataset.status === listState.status);
+    chip.classList.toggle("on", chip.dataset.status === filter.status);
     chip.onclick = () => {
-      listState.status = chip.dataset.status; listState.cursors = [null];
+      filter.status = chip.dataset.status;
       for (const c of document.querySelectorAll("#status-filter button")) c.classList.toggle("on", c === chip);
-      restart();
+      applyFilter();
     };
   }
+  $("selected-clear").onclick = () => {
+    selected.clear(); renderSelection();
+    for (const box of document.querySelectorAll("#jobs-table td.pick input")) box.checked = false;
+  };
+  $("compare-open").onclick = () => { location.hash = hashOf("/compare", { ids: [...selected.keys()].join(",") }); };
   $("page-next").onclick = () => { if (next) { listState.cursors.push(next); restart(); } };
   $("page-prev").onclick = () => { if (listState.cursors.length > 1) { listState.cursors.pop(); restart(); } };
+  renderSelection();
   restart();
-  return () => stop();
+  return () => { clearTimeout(typing); stop(); };
 }
 
 // ---- Metric series: points from the stream are merged in step order (a step seen again replaces the old
@@ -228,9 +294,11 @@ function mergeSeries(series, incoming) {
 }
 
 // A line chart: axes with three y ticks, the first and last step, one path per series, a legend if several.
-// zero: the y axis starts at 0 (throughput, memory), so noise does not look like a trend.
-function drawChart(node, lines, { zero = false } = {}) {
-  const W = 360, H = 170, L = 52, R = 10, T = 12, B = 22;
+// zero: the y axis starts at 0 (throughput, memory), so noise does not look like a trend. A line's colour is
+// its `color` (0..9: the compare view keeps a job's colour while another job has no points), else its place.
+// legend: false when the caller draws its own (the compare view's names are too long for the chart's corner).
+function drawChart(node, lines, { zero = false, width: W = 360, height: H = 170, legend = true } = {}) {
+  const L = 52, R = 10, T = 12, B = 22;
   node.setAttribute("viewBox", `0 0 ${W} ${H}`);
   node.replaceChildren();
   const drawn = lines.filter((l) => l.steps.length);
@@ -249,11 +317,14 @@ function drawChart(node, lines, { zero = false } = {}) {
     svg("text", { x: W - R, y: H - 6, class: "tick end" }, `${x1}`));
   drawn.forEach((l, i) => {
     const d = l.steps.map((s, k) => `${k ? "L" : "M"}${px(s).toFixed(1)},${py(l.values[k]).toFixed(1)}`).join("");
-    node.append(svg("path", { d, class: `line s${i}` }));
+    const c = `s${l.color ?? i}`;
+    node.append(svg("path", { d, class: `line ${c}` }));
     if (l.steps.length === 1) {
-      node.append(svg("circle", { cx: px(l.steps[0]), cy: py(l.values[0]), r: 3, class: `dot s${i}` }));
+      node.append(svg("circle", { cx: px(l.steps[0]), cy: py(l.values[0]), r: 3, class: `dot ${c}` }));
     }
-    if (drawn.length > 1) node.append(svg("text", { x: W - R, y: T + 10 + 12 * i, class: `legend end s${i}` }, l.name));
+    if (legend && drawn.length > 1) {
+      node.append(svg("text", { x: W - R, y: T + 10 + 12 * i, class: `legend end ${c}` }, l.name));
+    }
   });
 }
 // nodes: a gang's other nodes' peak memory (node rank → series), one line each beside node 0's.
@@ -453,6 +524,140 @@ function renderAttempts(attempts) {
     el("td", { title: when(a.started_at) }, ago(a.started_at)),
     el("td", { title: when(a.finished_at) }, ago(a.finished_at)), el("td", { cls: "num" }, a.exit_code ?? ""),
     el("td", { cls: "error" }, a.error ? `${a.error.type}: ${a.error.message}` : ""))));
+}
+
+// ---- The compare view: 2–10 jobs' curves of one metric on shared axes, their summaries side by side, and the
+// spec fields that differ. One job read and one metrics read (every series, thinned) per job, repeated every 5 s
+// for a job that has not ended; a job the API does not show this user (another's, or none) is a 404: its column
+// says so and the others are drawn.
+const fmt = (v) => (typeof v !== "number" ? (v ?? "") : Number.isInteger(v) ? String(v) : v.toPrecision(4));
+// A spec as dotted paths: objects are walked, anything else (a list too) is one value.
+function flatten(value, prefix = "", out = new Map()) {
+  if (value && typeof value === "object" && !Array.isArray(value) && Object.keys(value).length) {
+    for (const [k, v] of Object.entries(value)) flatten(v, prefix ? `${prefix}.${k}` : k, out);
+  } else out.set(prefix, value);
+  return out;
+}
+// The paths whose values are not all equal (one missing counts as different), and how many are. `name` is left
+// out: every column is headed by it.
+function specDiff(specs) {
+  const flat = specs.map((spec) => flatten(spec));
+  const paths = [...new Set(flat.flatMap((f) => [...f.keys()]))].filter((p) => p !== "name");
+  const differs = (p) => new Set(flat.map((f) => JSON.stringify(f.get(p)))).size > 1;
+  return { flat, differ: paths.filter(differs), same: paths.filter((p) => !differs(p)) };
+}
+function specValue(v) {
+  if (v === undefined) return el("span", { cls: "muted", title: "not in this spec" }, "—");
+  return typeof v === "string" ? v : JSON.stringify(v);
+}
+function runSummary(run) {
+  const job = run.job, sum = job.summary || {}, loss = run.series.get("loss");
+  const rate = sum.tokens_per_s !== undefined ? ["tokens_per_s", "tokens/s"] : ["samples_per_s", "samples/s"];
+  const started = job.started_at ? Date.parse(job.started_at) : null;
+  const end = job.finished_at ? Date.parse(job.finished_at) : Date.now();
+  return {
+    status: statusBadge(job.status),
+    steps: job.progress.total_steps ? `${sum.steps ?? job.progress.step}/${job.progress.total_steps}`
+      : fmt(sum.steps ?? job.progress.step),
+    "final loss": sum.final_loss === null ? "not finite" : sum.final_loss !== undefined ? fmt(sum.final_loss)
+      : loss && loss.values.length ? `${fmt(loss.values.at(-1))} (last)` : "",
+    throughput: typeof sum[rate[0]] === "number" ? `${fmt(sum[rate[0]])} ${rate[1]}` : "",
+    duration: started === null ? "" : `${duration((end - started) / 1000)}${job.finished_at ? "" : " so far"}`,
+  };
+}
+
+function compareView(query) {
+  show("compare");
+  const asked = [...new Set((query.get("ids") || "").split(",").map((id) => id.trim()).filter(Boolean))];
+  const runs = asked.slice(0, MAX_COMPARE).map((id, color) => ({ id, color, job: null, series: new Map(),
+    error: null, done: false }));
+  let metric = query.get("metric") || "", names = "", showSame = false, stopped = false;
+  const notes = [];
+  if (asked.length > MAX_COMPARE) notes.push(`Showing the first ${MAX_COMPARE} of ${asked.length} jobs.`);
+  if (asked.length < MIN_COMPARE) notes.push(`Pick ${MIN_COMPARE}–${MAX_COMPARE} jobs on the Jobs page to compare.`);
+  $("compare-note").textContent = notes.join(" ");
+  $("compare-note").hidden = !notes.length;
+  $("compare-count").textContent = `${runs.length} job${runs.length === 1 ? "" : "s"}`;
+  $("compare-metric").replaceChildren();
+  const label = (run) => (run.job ? run.job.name : run.id);
+  const swatch = (run) => el("span", { cls: run.job ? `swatch s${run.color}` : "swatch" }); // grey: no line
+  const head = (run) => el("th", { cls: "run" }, swatch(run),
+    run.job ? el("a", { href: `#/jobs/${encodeURIComponent(run.id)}` }, run.job.name) : run.id,
+    el("div", { cls: "muted id" }, run.job ? run.id : ""));
+
+  const load = async (run) => {
+    const base = `/v1/jobs/${encodeURIComponent(run.id)}`;
+    try {
+      const { body } = await getJson(base);
+      const metrics = await (await api(`${base}/metrics?max_points=${MAX_POINTS}`)).json();
+      Object.assign(run, { job: body, error: null, done: TERMINAL.has(body.status),
+        series: new Map(metrics.series.map((s) => [s.name, s])) });
+    } catch (e) {
+      // NOTE: the API answers 404 alike for another user's job and for none, so the page cannot say which.
+      // Another refusal (a malformed id) will not mend itself either; an outage or a 429 is tried again, and
+      // what was drawn before it stays.
+      const refused = e.status >= 400 && e.status < 500 && e.status !== 429;
+      if (refused) Object.assign(run, { job: null, series: new Map(), done: true });
+      run.error = e.status === 404 ? "not found" : e.message;
+    }
+  };
+  const renderMetricChoice = () => {
+    const all = new Set(runs.flatMap((run) => [...run.series.keys()]));
+    const sorted = [...all].sort((a, b) => (a === "loss" ? -1 : b === "loss" ? 1 : a.localeCompare(b)));
+    if (!all.has(metric) && all.size) metric = all.has("loss") ? "loss" : sorted[0];
+    if (sorted.join("\n") !== names) { // rebuilt only when the union changes, so an open select stays open
+      names = sorted.join("\n");
+      $("compare-metric").replaceChildren(...sorted.map((n) => el("option", { value: n }, n)));
+    }
+    $("compare-metric").value = metric;
+    $("compare-caption").textContent = metric || "no metrics yet";
+  };
+  const renderChart = () => {
+    const lines = runs.filter((run) => run.job).map((run) => ({ name: label(run), color: run.color,
+      ...(run.series.get(metric) || { steps: [], values: [] }) }));
+    drawChart($("compare-chart"), lines, { width: 900, height: 300, legend: false });
+    $("compare-legend").replaceChildren(...runs.map((run) => el("li", { cls: run.job ? "" : "error" },
+      swatch(run), el("span", { cls: "name" }, label(run)), " ",
+      el("span", { cls: "muted" }, run.job ? run.id : run.error || "loading…"),
+      run.job && !run.series.get(metric) ? el("span", { cls: "muted" }, ` (no ${metric})`) : null)));
+  };
+  const renderSummary = () => {
+    const rows = ["status", "steps", "final loss", "throughput", "duration"], cells = runs.map((run) =>
+      (run.job ? runSummary(run) : { status: el("span", { cls: "error" }, run.error || "loading…") }));
+    document.querySelector("#compare-summary thead").replaceChildren(el("tr", {}, el("th", {}), ...runs.map(head)));
+    document.querySelector("#compare-summary tbody").replaceChildren(...rows.map((row) => el("tr", {},
+      el("th", {}, row), ...cells.map((c) => el("td", { cls: "num" }, c[row] ?? "")))));
+  };
+  const renderSpec = () => {
+    const found = runs.filter((run) => run.job), { flat, differ, same } = specDiff(found.map((run) => run.job.spec));
+    $("compare-same").textContent = found.length < 2 ? "" : differ.length
+      ? `${same.length} identical field${same.length === 1 ? "" : "s"} ${showSame ? "shown" : "hidden"}`
+      : `none: the ${same.length} fields are identical`;
+    $("compare-show-same").hidden = found.length < 2 || !same.length;
+    $("compare-show-same").textContent = showSame ? "hide" : "show";
+    const row = (path, cls) => el("tr", { cls }, el("th", {}, path),
+      ...flat.map((f) => el("td", {}, specValue(f.get(path)))));
+    document.querySelector("#compare-spec thead").replaceChildren(el("tr", {}, el("th", {}, "field"),
+      ...found.map(head)));
+    document.querySelector("#compare-spec tbody").replaceChildren(...differ.map((p) => row(p, "differs")),
+      ...(showSame ? same.map((p) => row(p, "same muted")) : []));
+  };
+  const render = () => { renderMetricChoice(); renderChart(); renderSummary(); renderSpec(); };
+
+  $("compare-metric").onchange = () => {
+    metric = $("compare-metric").value;
+    keepInUrl("/compare", { ids: asked.join(","), metric });
+    render();
+  };
+  $("compare-show-same").onclick = () => { showSame = !showSame; renderSpec(); };
+  render();
+  const stop = every(5000, async () => {
+    await Promise.all(runs.filter((run) => !run.done).map(load));
+    if (stopped) return false;
+    render();
+    return runs.some((run) => !run.done);
+  });
+  return () => { stopped = true; stop(); };
 }
 
 function workersView() {
