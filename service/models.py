@@ -6,7 +6,8 @@ from service.jobs.models import Attempt, Job, JobCount, JobCountDelta, JobEvent,
 from service.logs.models import LogChunk
 from service.metrics.models import Metric, MetricBlock
 from service.packages.models import Package
+from service.sweeps.models import Sweep
 from service.workers.models import Worker
 
 __all__ = ["ApiToken", "Attempt", "Base", "Job", "JobCount", "JobCountDelta", "JobEvent", "JobTag", "LogChunk",
-           "Metric", "MetricBlock", "Package", "User", "Worker"]
+           "Metric", "MetricBlock", "Package", "Sweep", "User", "Worker"]

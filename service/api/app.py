@@ -31,6 +31,7 @@ from service.logs.router import router as logs_router
 from service.metrics.router import router as metrics_router
 from service.packages.router import router as packages_router
 from service.settings import Settings, get_settings
+from service.sweeps.router import router as sweeps_router
 from service.workers.router import router as workers_router
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Every /v1 route needs a token, whether or not its own signature asks for the principal, and takes only
     # finite numbers in its body (strict JSON).
     for router in (jobs_router, metrics_router, logs_router, artifacts_router, plan_router, events_router,
-                   auth_router, workers_router):
+                   auth_router, workers_router, sweeps_router):
         app.include_router(router, dependencies=[Depends(current_principal), Depends(refuse_non_finite)],
                            responses=responses(401, 422))
     # A package's body is a .tar.gz streamed to disk under its own cap (service/packages/service.py): no JSON.
