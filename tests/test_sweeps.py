@@ -1,7 +1,13 @@
 """Sweeps (issue 17): the sampler and the early-stopping rules (pure), submission checks and owner isolation on
 both databases, and grid, ASHA and cancel on the real stack with tiny CPU trials."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
+import yaml
 from pydantic import ValidationError
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import Session
@@ -89,6 +95,13 @@ def test_what_a_sweep_itself_refuses():
         check(late)
     with pytest.raises(InvalidRequest, match="eval_every"):
         check(SweepSpec.model_validate(sweep_body(metric={"name": "eval_loss"})))
+
+
+def test_the_example_sweep_is_valid():
+    from pathlib import Path
+
+    example = yaml.safe_load((Path(__file__).resolve().parent.parent / "examples" / "sweep-lr.yaml").read_text())
+    check(SweepSpec.model_validate(example))
 
 
 # --- pure: early stopping -------------------------------------------------------------------------------------
@@ -209,26 +222,52 @@ def wait_sweep(api, sweep_id: str, timeout: float = 180) -> dict:
     return wait_for(ended, timeout, interval=0.5, what=f"sweep {sweep_id} to end")
 
 
-def test_a_grid_of_three_rates_by_two_seeds_runs_six_trials_two_at_a_time_and_names_the_best(api):
+def cli(stack, *argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRAINJOBS_API_URL=stack.api_url, TRAINJOBS_TOKEN=stack.token)
+    return subprocess.run([sys.executable, "-m", "service.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def grid(stack, tmp_path_factory) -> dict:
+    """A grid of 3 learning rates × 2 seeds, 2 at a time, submitted from a YAML file by `trainjobs sweep`, and
+    how many trials were ever queued or running at once while it ran."""
     body = sweep_body(spec=mlp_spec(resources=ONE, train={"max_steps": 10, "log_every": 5}))
-    sweep = api.post("/v1/sweeps", json=body).json()
-    most = 0
+    path = tmp_path_factory.mktemp("grid") / "grid.yaml"
+    path.write_text(yaml.safe_dump(body))
+    made = cli(stack, "sweep", str(path), "--json")
+    assert made.returncode == 0, made.stdout + made.stderr
+    sweep_id, most = json.loads(made.stdout)["id"], 0
+    with stack.client(timeout=10) as api:
+        def ended():
+            nonlocal most
+            now = api.get(f"/v1/sweeps/{sweep_id}").json()
+            most = max(most, sum(now["trials"][k] for k in ("queued", "starting", "running")))
+            return now if now["status"] != "running" else None
 
-    def ended():
-        nonlocal most
-        now = api.get(f"/v1/sweeps/{sweep['id']}").json()
-        most = max(most, sum(now["trials"][k] for k in ("queued", "starting", "running")))
-        return now if now["status"] != "running" else None
+        done = wait_for(ended, 240, interval=0.3, what="the grid sweep to end")
+        return {"sweep": done, "most_at_once": most, "trials": api.get(f"/v1/sweeps/{sweep_id}/trials").json()["data"]}
 
-    done = wait_for(ended, 180, interval=0.3, what="the grid sweep to end")
+
+def test_a_grid_of_three_rates_by_two_seeds_runs_six_trials_two_at_a_time_and_names_the_best(grid, stack):
+    done, trials = grid["sweep"], grid["trials"]
     assert done["status"] == "succeeded" and done["trials"]["succeeded"] == 6 and done["trials"]["made"] == 6
-    assert most <= 2  # never more than `parallel` trials queued or running
-    trials = api.get(f"/v1/sweeps/{sweep['id']}/trials").json()["data"]
+    assert grid["most_at_once"] <= 2  # never more than `parallel` trials queued or running
     assert sorted((t["params"]["optimizer.lr"], t["params"]["train.seed"]) for t in trials) == \
         [(lr, s) for lr in (0.001, 0.01, 0.1) for s in (0, 1)]
     assert all(t["steps"] == 10 and t["best"] is not None and t["last"] is not None for t in trials)
     best = min(trials, key=lambda t: t["best"])
     assert done["best"]["job_id"] == best["job_id"] and done["best"]["best"] == best["best"]
+
+    shown = cli(stack, "sweep-status", done["id"])
+    assert shown.returncode == 0, shown.stderr
+    assert "succeeded" in shown.stdout and f"trial {best['index']}" in shown.stdout
+    rows = [ln for ln in shown.stdout.splitlines() if best["job_id"] in ln]
+    assert rows and shown.stdout.index(best["job_id"]) < min(shown.stdout.index(t["job_id"]) for t in trials
+                                                               if t is not best)  # best first
+    listed = cli(stack, "list", "--sweep", done["id"], "--json")
+    assert sorted(j["id"] for j in json.loads(listed.stdout)["items"]) == sorted(t["job_id"] for t in trials)
+    assert done["id"] in cli(stack, "sweeps").stdout
 
 
 def test_asha_stops_losing_trials_early_and_never_the_best(api):
@@ -270,3 +309,43 @@ def test_cancelling_a_sweep_leaves_no_trial_running(api):
     assert len(after) == 2 and all(t["reason"] is None for t in after)  # the user's cancel, not early stopping
     assert all(processes_of(t["job_id"]) == [] for t in trials)
     assert api.get(f"/v1/sweeps/{sweep['id']}").json()["trials"]["made"] == 2
+
+
+def test_the_dashboard_lists_sweeps_and_shows_the_trials_sorted_by_the_metric_and_a_scatter(grid, stack):
+    import shutil
+
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.test_dashboard import ARTIFACTS, CHROMIUM
+
+    if not shutil.which(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (never `playwright install`)")
+    trials = sorted(grid["trials"], key=lambda t: t["best"])
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        page = browser.new_page(viewport={"width": 1360, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(f"{stack.api_url}/")
+        page.evaluate(f"localStorage.setItem('trainjobs.token', {json.dumps(stack.token)})")
+        page.goto(f"{stack.api_url}/#/sweeps")
+        row = page.locator(f"#sweeps-table tbody tr[data-sweep='{grid['sweep']['id']}']")
+        expect(row).to_contain_text("lr-study")
+        expect(row).to_contain_text("6/6")
+        row.locator("a").click()
+        expect(page.locator("#sweep-status")).to_have_text("succeeded")
+        expect(page.locator("#sweep-best")).to_contain_text(f"trial {trials[0]['index']}")
+        body = page.locator("#trials-table tbody tr")
+        expect(body).to_have_count(6)
+        expect(body.nth(0)).to_have_attribute("data-trial", str(trials[0]["index"]))  # best first
+        expect(body.nth(5)).to_have_attribute("data-trial", str(trials[-1]["index"]))
+        page.click("#trials-sort")
+        expect(body.nth(0)).to_have_attribute("data-trial", str(trials[-1]["index"]))  # worst first
+        expect(page.locator("#sweep-scatter circle")).to_have_count(6)
+        page.select_option("#scatter-param", "train.seed")
+        expect(page.locator("#sweep-scatter text.axis")).to_have_text("train.seed")
+        expect(page.locator("#sweep-scatter circle")).to_have_count(6)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=ARTIFACTS / "dashboard-sweep.png", full_page=True)
+        browser.close()
+    assert errors == []

@@ -110,16 +110,19 @@ $("token-form").addEventListener("submit", (ev) => {
 });
 $("token-forget").addEventListener("click", () => { localStorage.removeItem(TOKEN_KEY); held.clear(); showToken(); });
 
-// ---- Views: #/ (jobs), #/jobs/<id>, #/workers. Each returns its stop().
+// ---- Views: #/ (jobs), #/jobs/<id>, #/sweeps, #/sweeps/<id> (sweeps.js), #/workers. Each returns its stop().
 let stopView = () => {};
 function show(name) {
   for (const v of document.querySelectorAll(".view")) v.hidden = v.id !== `view-${name}`;
-  for (const a of document.querySelectorAll("[data-nav]")) a.classList.toggle("on", a.dataset.nav === name);
+  const nav = name === "sweep" ? "sweeps" : name;
+  for (const a of document.querySelectorAll("[data-nav]")) a.classList.toggle("on", a.dataset.nav === nav);
 }
 function route() {
   stopView(); report(null);
-  const m = location.hash.match(/^#\/jobs\/([^/]+)$/);
+  const m = location.hash.match(/^#\/jobs\/([^/]+)$/), sweep = location.hash.match(/^#\/sweeps\/([^/]+)$/);
   if (m) stopView = jobView(decodeURIComponent(m[1]));
+  else if (sweep) stopView = sweepView(decodeURIComponent(sweep[1])); // sweeps.js
+  else if (location.hash === "#/sweeps") stopView = sweepsView();
   else if (location.hash === "#/workers") stopView = workersView();
   else stopView = jobsView();
 }
