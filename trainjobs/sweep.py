@@ -6,7 +6,6 @@ search, how many trials and how many at once, the metric to judge by and an earl
 makes the same trial n again, never another.
 """
 
-import itertools
 import math
 import random
 from typing import Annotated, Any, Literal
@@ -28,7 +27,7 @@ class _Strict(BaseModel):
 class Values(_Strict):
     """One of these values (grid: each in turn; random: one drawn uniformly)."""
 
-    values: list[Any] = Field(min_length=1, max_length=MAX_TRIALS)
+    values: list[Any] = Field(min_length=1, max_length=100)
 
 
 class Distribution(_Strict):
@@ -90,7 +89,7 @@ EarlyStopping = Annotated[NoStopping | Asha | Median, Field(discriminator="type"
 class SweepSpec(_Strict):
     name: Name = "sweep"
     spec: JobSpec
-    parameters: dict[Path, Parameter] = Field(min_length=1, max_length=32)
+    parameters: dict[Path, Parameter] = Field(min_length=1, max_length=16)
     method: Literal["grid", "random"] = "random"
     max_trials: int | None = Field(None, ge=1, le=MAX_TRIALS, description="random: required (default 10); "
                                    "grid: at most every combination (the default)")
@@ -108,6 +107,9 @@ class SweepSpec(_Strict):
             if self.max_trials is not None and self.max_trials > self.grid_size():
                 raise ValueError(f"max_trials {self.max_trials} is more than the grid's {self.grid_size()} "
                                  "combinations")
+            if self.max_trials is None and self.grid_size() > MAX_TRIALS:
+                raise ValueError(f"the grid has {self.grid_size()} combinations, more than {MAX_TRIALS}: set "
+                                 "max_trials to run its first ones")
         return self
 
     def grid_size(self) -> int:
@@ -129,10 +131,12 @@ def trial_parameters(sweep: SweepSpec, index: int) -> dict[str, Any]:
     seeded by (seed, index) alone, so trial n is the same whenever and however often it is asked for."""
     if not 0 <= index < sweep.total_trials:
         raise IndexError(f"trial {index} is outside 0..{sweep.total_trials - 1}")
-    if sweep.method == "grid":
-        choices = [p.values for p in sweep.parameters.values()]
-        combination = next(itertools.islice(itertools.product(*choices), index, None))
-        return dict(zip(sweep.parameters, combination, strict=True))
+    if sweep.method == "grid":  # index in mixed radix, the last parameter's digit lowest
+        found, rest = {}, index
+        for path, p in reversed(sweep.parameters.items()):
+            rest, digit = divmod(rest, len(p.values))
+            found[path] = p.values[digit]
+        return {path: found[path] for path in sweep.parameters}
     rng = random.Random(f"{sweep.seed or 0}:{index}")  # a str seed is hashed (sha512): stable across runs
     return {path: draw(p, rng) for path, p in sweep.parameters.items()}
 
@@ -164,7 +168,7 @@ def check(sweep: SweepSpec) -> None:
             except InvalidRequest as exc:
                 raise InvalidRequest(f"parameters.{path}: {exc.message} (value {value!r})",
                                      field=f"parameters.{path}") from None
-    if sweep.method == "grid" and sweep.total_trials <= MAX_TRIALS:  # every combination, together
+    if sweep.method == "grid":  # every combination, together (at most MAX_TRIALS)
         for index in range(sweep.total_trials):
             trial_spec(sweep, sweep_id="0" * 20, index=index, params=trial_parameters(sweep, index))
     base = sweep.spec

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def advance_all(db: Session, redis: Redis, settings: Settings) -> None:
     """One pass over the running sweeps, and the live trials of any that ended (a cancel half done)."""
-    for sweep_id in db.scalars(select(Sweep.id).where(Sweep.status == SweepStatus.RUNNING).order_by(Sweep.id)):
+    for sweep_id in list(db.scalars(select(Sweep.id).where(Sweep.status == SweepStatus.RUNNING).order_by(Sweep.id))):
         try:
             advance(db, redis, settings, db.get(Sweep, sweep_id))
         except Exception:  # noqa: BLE001 - one sweep's trouble must not hold up the others
