@@ -22,7 +22,7 @@ def public(db, row) -> SweepPublic:
     return SweepPublic.of(row, service.trials(db, metrics={row.id: config.metric})[row.id])
 
 
-@router.post("", status_code=201, response_model=SweepPublic, responses=responses(403, 404, 413, 429))
+@router.post("", status_code=201, response_model=SweepPublic, responses=responses(400, 403, 404, 413, 429))
 def submit_sweep(body: sweeps.SweepSpec, response: Response, db: SessionDep, redis: RedisDep,
                  settings: SettingsDep, principal: PrincipalDep):
     """Check the whole search before any trial exists (every parameter path and value, every grid combination,
