@@ -211,7 +211,8 @@ def test_another_users_sweep_is_a_404_and_an_admin_sees_all(client, settings):
 
 # --- the real stack: three one-process workers, the controller every 0.3 s ---------------------------------------
 
-stack = module_stack("sweeps", workers=3, sweep_s=0.3)
+# The workers start once the API is up (worker_args): all at once overran the 30 s start on a busy machine.
+stack = module_stack("sweeps", workers=3, worker_args=["--slots", "1"], sweep_s=0.3)
 
 
 def wait_sweep(api, sweep_id: str, timeout: float = 180) -> dict:
