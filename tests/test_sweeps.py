@@ -328,8 +328,10 @@ def test_the_dashboard_lists_sweeps_and_shows_the_trials_sorted_by_the_metric_an
         errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))
         page.goto(f"{stack.api_url}/")
-        page.evaluate(f"localStorage.setItem('trainjobs.token', {json.dumps(stack.token)})")
-        page.goto(f"{stack.api_url}/#/sweeps")
+        page.fill("#token-input", stack.token)
+        page.click("#token-form button[type=submit]")
+        expect(page.locator("#token-set")).to_be_visible()
+        page.click("header nav a[data-nav=sweeps]")
         row = page.locator(f"#sweeps-table tbody tr[data-sweep='{grid['sweep']['id']}']")
         expect(row).to_contain_text("lr-study")
         expect(row).to_contain_text("6/6")

@@ -21,7 +21,7 @@ function sweepsView() {
 }
 
 const fmt = (v) => (v === null || v === undefined ? "" : typeof v === "number" && !Number.isInteger(v)
-  ? v.toPrecision(4) : String(v));
+  ? String(Number(v.toPrecision(4))) : String(v));
 
 function sweepView(id) {
   show("sweep");
@@ -93,7 +93,7 @@ function sweepView(id) {
 // One dot per trial: the parameter's value (log scale for a log-uniform one) against the trial's best metric;
 // a trial stopped early is a hollow dot.
 function drawScatter(node, points, { log = false, xLabel = "", yLabel = "" } = {}) {
-  const W = 520, H = 240, L = 58, R = 12, T = 12, B = 34;
+  const W = 520, H = 250, L = 58, R = 12, T = 24, B = 34;
   node.setAttribute("viewBox", `0 0 ${W} ${H}`);
   node.replaceChildren();
   if (!points.length) { node.append(svg("text", { x: W / 2, y: H / 2, class: "empty" }, "no data yet")); return; }
@@ -112,7 +112,7 @@ function drawScatter(node, points, { log = false, xLabel = "", yLabel = "" } = {
   node.append(svg("text", { x: L, y: H - 18, class: "tick" }, xTick(x0)),
     svg("text", { x: W - R, y: H - 18, class: "tick end" }, xTick(x1)),
     svg("text", { x: (L + W - R) / 2, y: H - 4, class: "tick axis" }, `${xLabel}${log ? " (log)" : ""}`),
-    svg("text", { x: 12, y: T + 8, class: "tick" }, yLabel));
+    svg("text", { x: 4, y: 10, class: "tick" }, yLabel));
   for (const p of points) {
     node.append(svg("circle", { cx: px(p.x).toFixed(1), cy: py(p.y).toFixed(1), r: 4,
       class: `dot s0${p.stopped ? " hollow" : ""}`, "data-trial": p.index }));
