@@ -76,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--trials", type=int, default=27)
     parser.add_argument("--steps", type=int, default=81, help="max_steps of a trial")
-    parser.add_argument("--step-s", type=float, default=0.25, help="each step's stand-in device time")
+    parser.add_argument("--step-s", type=float, default=0.2, help="each step's stand-in device time")
     parser.add_argument("--workers", type=int, default=3, help="one-process workers: trials at once")
     parser.add_argument("--min-steps", type=int, default=9, help="ASHA's first rung")
     parser.add_argument("--reduction-factor", type=int, default=3)
