@@ -195,6 +195,38 @@ def test_a_sweep_makes_parallel_trials_as_ordinary_jobs_and_cancels_them(client,
     assert jobs_of(settings, sweep["id"]) == 2  # no trial made after the cancel
 
 
+def test_a_restarted_or_racing_controller_makes_trial_n_once(client, settings, redis):
+    from sqlalchemy.exc import IntegrityError
+
+    from service.sweeps import controller
+    from service.sweeps import service as sweeps
+
+    sweep = client.post("/v1/sweeps", json=sweep_body(parallel=3)).json()
+    engine = create_engine(settings.resolved_database_url)
+    with Session(engine) as db:
+        row = sweeps.visible(db, sweep_id=sweep["id"], principal=_admin())
+        for _ in range(2):  # passes again, as after a restart: the same three trials
+            controller.advance(db, redis, settings, row)
+        first = db.scalar(select(Job).where(Job.sweep_id == sweep["id"], Job.sweep_trial == 0))
+        again = controller.admission.admit(first.spec, db=db, redis=redis, settings=settings, principal=_admin(),
+                                           idempotency_key=f"sweep:{sweep['id']}:0",
+                                           trial=controller.Trial(sweep["id"], 0, {}))
+        assert again == (first, False)  # a pass that died after the commit: the key finds the trial made
+        twin = Job(**{c.name: getattr(first, c.name) for c in Job.__table__.columns if c.name != "version"})
+        twin.id, twin.idempotency_key = "f" * 20, None
+        db.add(twin)
+        with pytest.raises(IntegrityError):  # and the unique (sweep_id, sweep_trial) below it
+            db.commit()
+    engine.dispose()
+    assert jobs_of(settings, sweep["id"]) == 3
+
+
+def _admin():
+    from service.auth.tokens import Principal
+
+    return Principal(user="admin", role="admin", token_id=None, can_run_entrypoints=True)
+
+
 def test_another_users_sweep_is_a_404_and_an_admin_sees_all(client, settings):
     alice = {"Authorization": f"Bearer {make_token(settings, 'alice')}"}
     bob = {"Authorization": f"Bearer {make_token(settings, 'bob')}"}
