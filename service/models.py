@@ -7,8 +7,9 @@ from service.logs.models import LogChunk
 from service.metrics.models import Metric, MetricBlock
 from service.packages.models import Package
 from service.scheduling.models import Team, Usage
+from service.sweeps.models import Sweep
 from service.webhooks.models import Delivery, Webhook
 from service.workers.models import Worker
 
 __all__ = ["ApiToken", "Attempt", "Base", "Delivery", "Job", "JobCount", "JobCountDelta", "JobEvent", "JobTag",
-           "LogChunk", "Metric", "MetricBlock", "Package", "Team", "Usage", "User", "Webhook", "Worker"]
+           "LogChunk", "Metric", "MetricBlock", "Package", "Sweep", "Team", "Usage", "User", "Webhook", "Worker"]

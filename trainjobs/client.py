@@ -161,15 +161,44 @@ class Client:
         return self._call("GET", f"/v1/jobs/{job_id}").json()
 
     def list(self, status: str | None = None, limit: int = 20, *, name: str | None = None,
-             tag: str | None = None) -> dict:
-        """A page of jobs, newest first; `name` matches a prefix, `tag` one of spec.tags."""
-        params = {"limit": limit, "status": status, "name": name, "tag": tag}
+             tag: str | None = None, sweep: str | None = None) -> dict:
+        """A page of jobs, newest first; `name` matches a prefix, `tag` one of spec.tags, `sweep` a sweep's trials."""
+        params = {"limit": limit, "status": status, "name": name, "tag": tag, "sweep": sweep}
         return self._call("GET", "/v1/jobs", params={k: v for k, v in params.items() if v is not None}).json()
 
     def clone(self, job_id: str, overrides: dict | None = None) -> dict:
         """A new job: this one's spec with `overrides` ({"optimizer.lr": 3e-4}) applied; it names its source."""
         headers = {"Idempotency-Key": f"cli-{uuid.uuid4()}"}
         return self._call("POST", f"/v1/jobs/{job_id}/clone", json={"set": overrides or {}}, headers=headers).json()
+
+    def submit_sweep(self, sweep: dict) -> dict:
+        """A sweep (POST /v1/sweeps: name, spec, parameters, method, max_trials, parallel, metric,
+        early_stopping, seed); its first trials are made at once, the rest as trials end."""
+        return self._call("POST", "/v1/sweeps", json=sweep).json()
+
+    def sweep(self, sweep_id: str) -> dict:
+        """The sweep: its status, trial counts and best trial so far."""
+        return self._call("GET", f"/v1/sweeps/{sweep_id}").json()
+
+    def sweeps(self, status: str | None = None, limit: int = 20) -> dict:
+        params = {"limit": limit} | ({"status": status} if status else {})
+        return self._call("GET", "/v1/sweeps", params=params).json()
+
+    def trials(self, sweep_id: str) -> "list[dict]":
+        """The sweep's trials in order: parameters, status and reason, steps, the metric's last and best value."""
+        return self._call("GET", f"/v1/sweeps/{sweep_id}/trials").json()["data"]
+
+    def cancel_sweep(self, sweep_id: str) -> dict:
+        return self._call("POST", f"/v1/sweeps/{sweep_id}/cancel").json()
+
+    def wait_sweep(self, sweep_id: str, timeout: float | None = None, poll_s: float = 2.0) -> dict:
+        """The sweep once it has ended; TimeoutError after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (sweep := self.sweep(sweep_id))["status"] == "running":
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"sweep {sweep_id} still running after {timeout}s")
+            time.sleep(poll_s)
+        return sweep
 
     def workers(self) -> dict:
         return self._call("GET", "/v1/workers").json()

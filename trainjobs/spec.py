@@ -346,10 +346,11 @@ class JobSpec(_Strict):
         return self.resources.nnodes * self.resources.nproc_per_node
 
 
-def with_overrides(spec: JobSpec, overrides: dict[str, Any]) -> JobSpec:
+def with_overrides(spec: JobSpec, overrides: dict[str, Any], *, field: str = "set") -> JobSpec:
     """`spec` with each dotted path of `overrides` set ({"optimizer.lr": 3e-4}), validated as a submission is.
 
-    A path the spec does not have, or a value it refuses, is an InvalidRequest naming `set.<path>`.
+    A path the spec does not have, or a value it refuses, is an InvalidRequest naming `<field>.<path>` (a clone's
+    `set.<path>`, a sweep's `parameters.<path>`).
     """
     data = spec.model_dump(mode="json")
     for path, value in overrides.items():
@@ -361,13 +362,13 @@ def with_overrides(spec: JobSpec, overrides: dict[str, Any]) -> JobSpec:
                 where = ".".join(parents[: depth + 1])
                 raise InvalidRequest(f"{path!r} is not a field of the spec ({where} is "
                                      f"{'not set in the source; set it whole' if node is None else 'not a section'})",
-                                     field=f"set.{path}")
+                                     field=f"{field}.{path}")
         if not isinstance(node, dict) or leaf not in node:
-            raise InvalidRequest(f"{path!r} is not a field of the spec", field=f"set.{path}")
+            raise InvalidRequest(f"{path!r} is not a field of the spec", field=f"{field}.{path}")
         node[leaf] = value
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise InvalidRequest(f"{where}: {first['msg']}", field=f"set.{where}" if where else "set") from None
+        raise InvalidRequest(f"{where}: {first['msg']}", field=f"{field}.{where}" if where else field) from None

@@ -32,6 +32,19 @@ ALLOWED_FROM: dict[JobStatus, frozenset[JobStatus]] = {
 }
 
 
+class SweepStatus(StrEnum):
+    """A sweep: running until every trial is made and ended (succeeded), or cancelled; failed when a trial
+    could not be made at all (its spec refused: the sweep's error says why)."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+STOPPED_EARLY = "stopped_early"  # a job's reason: a sweep's early-stopping rule cancelled it (not a failure)
+
+
 class AttemptStatus(StrEnum):
     """One node of one attempt: active while its worker holds the lease, then closed once, for good."""
 

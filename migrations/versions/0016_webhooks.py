@@ -1,7 +1,7 @@
 """webhooks and webhook_deliveries (the outbox: one row per event per webhook, written with the change it reports)
 
 Revision ID: 0016
-Revises: 0014
+Revises: 0015
 Create Date: 2026-12-04 03:30:00.000000
 """
 
@@ -11,7 +11,7 @@ from alembic import op
 from service.db import UTCDateTime
 
 revision = '0016'
-down_revision = '0014'
+down_revision = '0015'
 branch_labels = None
 depends_on = None
 

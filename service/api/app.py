@@ -32,6 +32,7 @@ from service.metrics.router import router as metrics_router
 from service.packages.router import router as packages_router
 from service.scheduling.router import router as scheduling_router
 from service.settings import Settings, get_settings
+from service.sweeps.router import router as sweeps_router
 from service.webhooks.delivery import Deliverer
 from service.webhooks.router import router as webhooks_router
 from service.workers.router import router as workers_router
@@ -113,7 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Every /v1 route needs a token, whether or not its own signature asks for the principal, and takes only
     # finite numbers in its body (strict JSON).
     for router in (jobs_router, metrics_router, logs_router, artifacts_router, plan_router, events_router,
-                   auth_router, workers_router, scheduling_router, webhooks_router):
+                   auth_router, workers_router, scheduling_router, webhooks_router, sweeps_router):
         app.include_router(router, dependencies=[Depends(current_principal), Depends(refuse_non_finite)],
                            responses=responses(401, 422))
     # A package's body is a .tar.gz streamed to disk under its own cap (service/packages/service.py): no JSON.

@@ -1,5 +1,5 @@
-"""The sweeper inside the API: lost workers, retries due, the queue rebuilt from the database, and the job
-counts' deltas folded (service/jobs/counts.py).
+"""The sweeper inside the API: lost workers, retries due, the queue rebuilt from the database, the sweeps'
+trials (service/sweeps/controller.py), and the job counts' deltas folded (service/jobs/counts.py).
 
 One pass at a time across API replicas (a Redis lock). Every change it makes is the same
 compare-and-set a worker would make, so a worker that wakes up late finds its job gone and stops.
@@ -18,6 +18,7 @@ from service.db import UNREACHABLE, utcnow
 from service.jobs import counts, lifecycle, queue, retention
 from service.scheduling import service as scheduling
 from service.settings import Settings
+from service.sweeps import controller as sweeps
 from service.workers import pending
 from service.workers import service as workers
 
@@ -70,6 +71,7 @@ class Sweeper:
                     workers.prune(db)
                     self.last_reconcile = now
                 db.commit()
+                sweeps.advance_all(db, self.redis, self.settings)  # trials made, stopped early; sweeps ended
                 counts.compact(db)  # apart: a short transaction on the count rows
                 db.commit()
                 if self.settings.retention_days and (self.collect_after is not None

@@ -16,6 +16,7 @@ from service.cli import experiments as experiments_cli
 from service.cli import gc as gc_cli
 from service.cli import pool as pool_cli
 from service.cli import run as run_cli
+from service.cli import sweeps as sweeps_cli
 from service.cli import tables
 from service.cli import tokens as auth_cli
 from service.cli import webhooks as webhooks_cli
@@ -104,7 +105,7 @@ def cmd_stacks(args, client: Client) -> int:
 
 
 def cmd_list(args, client: Client) -> int:
-    page = client.list(status=args.status, limit=args.limit, name=args.name, tag=args.tag)
+    page = client.list(status=args.status, limit=args.limit, name=args.name, tag=args.tag, sweep=args.sweep)
     if args.json:
         return print_json(page)
     console.print(tables.jobs_table(page))
@@ -260,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--limit", type=int, default=20)
     ls.add_argument("--name", help="jobs whose name starts with it")
     ls.add_argument("--tag", help="jobs that carry this tag (spec.tags)")
+    ls.add_argument("--sweep", metavar="SWEEP_ID", help="the trials of this sweep")
     ls.add_argument("--json", action="store_true", help="the page as the API returns it")
     ls.set_defaults(remote=cmd_list)
     logs = sub.add_parser("logs", help="a job's combined output")
@@ -274,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     workers.set_defaults(remote=cmd_workers)
     run_cli.register(sub)
     experiments_cli.register(sub)
+    sweeps_cli.register(sub)
     auth_cli.register(sub)
     gc_cli.register(sub)
     pool_cli.register(sub)

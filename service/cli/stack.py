@@ -123,7 +123,7 @@ class Stack:
         proc = subprocess.Popen(argv, env={**self.env(), **(env or {})}, stdout=self.output, stderr=self.output)
         self.procs.append((name, proc))
 
-    def _wait_ready(self, timeout: float = 30) -> None:
+    def _wait_ready(self, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()

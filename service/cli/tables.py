@@ -21,7 +21,8 @@ def plan_table(plan: dict) -> Table:
 def job_table(job: dict) -> Table:
     progress = job["progress"]
     table = Table(show_header=False, title=f"job {job['id']}")
-    for key, value in (("name", job["name"]), ("status", job["status"]), ("priority", job["priority"]),
+    status = f"{job['status']} ({job['reason']})" if job.get("reason") else job["status"]
+    for key, value in (("name", job["name"]), ("status", status), ("priority", job["priority"]),
                        ("attempt", f"{job['attempt']} (max retries {job['max_retries']})"),
                        ("step", f"{progress['step']}/{progress['total_steps'] or '?'}"),
                        ("eta", f"{progress['eta_s']:.0f} s" if progress.get("eta_s") is not None else ""),
@@ -37,7 +38,8 @@ def jobs_table(page: dict) -> Table:
                   Column("created (UTC)", no_wrap=True))
     for job in page["items"]:
         progress, resources = job["progress"], job["spec"]["resources"]
-        table.add_row(job["id"], job["name"], job["owner"], job["status"], job["spec"]["strategy"],
+        status = f"{job['status']} ({job['reason']})" if job.get("reason") else job["status"]
+        table.add_row(job["id"], job["name"], job["owner"], status, job["spec"]["strategy"],
                       f"{resources['nnodes']}×{resources['nproc_per_node']}",
                       f"{progress['step']}/{progress['total_steps'] or '?'}", job["created_at"][:16].replace("T", " "))
     return table

@@ -30,10 +30,11 @@ from service.errors import InvalidTransition
 from service.jobs import retries
 from service.jobs.models import Attempt, Job
 from service.jobs.service import get, record_event
+from service.sweeps.models import Sweep
 from service.workers import fit
 from service.workers import service as workers
 from trainjobs.spec import JobSpec
-from trainjobs.states import ALLOWED_FROM, LIVE, AttemptStatus, ErrorType, JobStatus
+from trainjobs.states import ALLOWED_FROM, LIVE, STOPPED_EARLY, AttemptStatus, ErrorType, JobStatus, SweepStatus
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,28 @@ def request_cancel(db: Session, *, job_id: str) -> tuple[Job, bool]:
     if job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED):
         raise InvalidTransition(f"job {job_id} already {job.status}; it cannot be cancelled", field="status")
     return job, False
+
+
+def stop_early(db: Session, *, job_id: str, detail: str) -> bool:
+    """A sweep's early stopping ends a trial: marked `stopped_early`, then cancelled by the normal path (queued:
+    at once; started: its supervisor stops every process). Commits. False if it had ended or a cancel was asked."""
+    marked = db.execute(update(Job).where(Job.id == job_id, Job.status.in_([*LIVE, JobStatus.QUEUED]),
+                                          Job.cancel_requested_at.is_(None), Job.reason.is_(None))
+                        .values(reason=STOPPED_EARLY).execution_options(synchronize_session=False))
+    if marked.rowcount != 1:
+        db.rollback()
+        return False
+    record_event(db, job_id=job_id, kind=STOPPED_EARLY, detail=detail)
+    request_cancel(db, job_id=job_id)  # commits both: the row is ours (locked) since the UPDATE
+    return True
+
+
+def move_sweep(db: Session, *, sweep_id: str, to: SweepStatus, error: str | None = None) -> bool:
+    """Compare-and-set a sweep out of running (every end is final); False means someone else ended it."""
+    result = db.execute(update(Sweep).where(Sweep.id == sweep_id, Sweep.status == SweepStatus.RUNNING)
+                        .values(status=to, finished_at=utcnow(), error=error)
+                        .execution_options(synchronize_session=False))
+    return result.rowcount == 1
 
 
 # --- a worker takes a job ------------------------------------------------------------------------------------

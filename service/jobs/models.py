@@ -60,6 +60,12 @@ class Job(Base):
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # trainjobs/plan.py's Plan
     pending_reason: Mapped[str | None] = mapped_column(Text)  # why no worker takes it (the sweeper says)
     cloned_from: Mapped[str | None] = mapped_column(String(32))  # POST /v1/jobs/{id}/clone: the source job
+    # A sweep's trial (POST /v1/sweeps): its sweep, its number there (unique: trial n is made once) and the
+    # parameters it was given. reason: why it ended where status alone does not say (stopped_early).
+    sweep_id: Mapped[str | None] = mapped_column(String(32))
+    sweep_trial: Mapped[int | None] = mapped_column(Integer)
+    sweep_params: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    reason: Mapped[str | None] = mapped_column(String(32))
     # Bumped by the database on every UPDATE of the row (a trigger, migrations/versions/0011): a read's ETag.
     version: Mapped[int] = mapped_column(Integer, server_default="1")
 
@@ -67,6 +73,7 @@ class Job(Base):
         UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
         Index("ix_jobs_owner_id", "owner", "id"),  # a user's list, newest first
         Index("ix_jobs_owner_status_id", "owner", "status", "id"),  # ...of one status; their quota's count
+        Index("ix_jobs_sweep_trial", "sweep_id", "sweep_trial", unique=True),  # ?sweep=, and trial n made once
     )
 
 

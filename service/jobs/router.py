@@ -10,15 +10,10 @@ from redis.exceptions import RedisError
 from service.api.deps import RedisDep, SessionDep, SettingsDep
 from service.api.etag import bytes_with_etag, job_etag, not_modified
 from service.auth.deps import JobIdDep, PrincipalDep, visible_job
-from service.auth.limits import check_submission
-from service.errors import GatewayTimeout, InvalidRequest, InvalidTransition, NotFound, responses
-from service.jobs import lifecycle, queue, records, service
+from service.errors import GatewayTimeout, InvalidTransition, responses
+from service.jobs import admission, lifecycle, queue, records, service
 from service.jobs.bodies import page_body
-from service.jobs.models import Job
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
-from service.packages import service as packages
-from service.workers import service as worker_rows
-from trainjobs import paths
 from trainjobs.spec import JobSpec, with_overrides
 from trainjobs.states import JobStatus
 
@@ -46,41 +41,12 @@ def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDe
 def accept(spec: JobSpec, *, response: Response, db, redis, settings, principal, idempotency_key: str | None,
            cloned_from: str | None = None) -> JobPublic:
     """Every check of a submission, the row committed, then the queue entry (submit and clone alike)."""
-    owner = principal.user
-    job = service.find_by_key(db, spec=spec, idempotency_key=idempotency_key, owner=owner) if idempotency_key else None
-    created = False
-    if job is None:
-        check_submission(db, redis, settings, principal, spec)
-        if spec.entrypoint is not None and spec.entrypoint.package is not None:  # the owner's own, or a 404
-            packages.get(db, owner=owner, digest=spec.entrypoint.package, field="entrypoint.package")
-        service.check_inputs(spec, data_dir=settings.data_dir)
-        if spec.init_from is not None:
-            check_init_from(db, spec, principal=principal, storage_dir=settings.resolved_storage_dir)
-        worker_rows.check_pip(db, spec=spec, lost_after_s=settings.lease_s)
-        workers = worker_rows.memory_for(db, spec=spec, lost_after_s=settings.lease_s)
-        job, created = service.create_once(db, spec=spec, idempotency_key=idempotency_key, owner=owner,
-                                           workers=workers, cloned_from=cloned_from)
+    job, created = admission.admit(spec, db=db, redis=redis, settings=settings, principal=principal,
+                                   idempotency_key=idempotency_key, cloned_from=cloned_from)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if not created:
         response.status_code = 200
-        return JobPublic.of(job)
-    try:
-        queue.enqueue(redis, prefix=settings.queue_prefix, job_id=job.id, priority=job.priority,
-                      timeout_s=spec.timeout_s)
-    except RedisError:
-        # Accepted all the same: the sweeper's reconcile pass enqueues it once Redis is back.
-        log.exception("enqueue of job %s failed; the reconciler will retry", job.id)
     return JobPublic.of(job)
-
-
-def check_init_from(db, spec: JobSpec, *, principal, storage_dir) -> None:
-    """The job to start from is the caller's (or any, for an admin: else 404) and has the weights asked for."""
-    source = db.get(Job, spec.init_from.job)
-    if source is None or not (principal.is_admin or source.owner == principal.user):
-        raise NotFound(f"init_from.job {spec.init_from.job!r} not found", field="init_from.job")
-    if paths.init_source(storage_dir, source.id, spec.init_from.checkpoint) is None:
-        what = "final model (artifacts/model.pt)" if spec.init_from.checkpoint == "final" else "complete checkpoint"
-        raise InvalidRequest(f"init_from.job {source.id} ({source.status}) has no {what}", field="init_from.job")
 
 
 class CloneRequest(BaseModel):
@@ -114,12 +80,13 @@ def list_jobs(
     cursor: Annotated[str | None, Query(pattern=r"^[0-9a-f]{20}$", description="the last page's next_cursor")] = None,
     name: Annotated[str | None, Query(min_length=1, max_length=128, description="names that start with it")] = None,
     tag: Annotated[str | None, Query(min_length=1, max_length=64, description="jobs that carry this tag")] = None,
+    sweep: Annotated[str | None, Query(pattern=r"^[0-9a-f]{20}$", description="the trials of this sweep")] = None,
 ):
     owner = owner if principal.is_admin else principal.user
     bodies = request.app.state.job_bodies
     with db:  # closed in this thread (see read_job)
         page, next_cursor = service.list_page(db, status=status, limit=limit, cursor=cursor, owner=owner, name=name,
-                                              tag=tag)
+                                              tag=tag, sweep=sweep)
         found = {row.id: bodies.get(row.id, row.version) for row in page}
         for job in service.get_many(db, job_ids=[job_id for job_id, body in found.items() if body is None]):
             found[job.id] = bodies.render(job)  # NOTE: as it is now, if it changed since the page's read

@@ -45,6 +45,12 @@ class JobPublic(BaseModel):
     pending_reason: str | None = None  # while queued: why no worker has taken it (no live worker fits, all busy)
     cloned_from: str | None = None  # the job this one was cloned from (POST /v1/jobs/{id}/clone)
     warnings: list[dict[str, Any]] = []  # what a user should know while it runs: {kind, message, rank, attempt, time}
+    # Why it ended where the status alone does not say: "stopped_early" (cancelled by its sweep's early stopping,
+    # not a failure); null otherwise.
+    reason: str | None = None
+    sweep_id: str | None = None  # a sweep's trial: its sweep (POST /v1/sweeps), its number there, its parameters
+    sweep_trial: int | None = None
+    sweep_params: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, job: Job) -> "JobPublic":
@@ -59,6 +65,8 @@ class JobPublic(BaseModel):
             cancel_requested_at=job.cancel_requested_at,
             pending_reason=job.pending_reason if job.status == "queued" else None,
             warnings=job.warnings or [], cloned_from=job.cloned_from,
+            reason=job.reason if job.status == "cancelled" else None,
+            sweep_id=job.sweep_id, sweep_trial=job.sweep_trial, sweep_params=job.sweep_params,
         )
 
 

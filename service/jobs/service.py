@@ -3,7 +3,9 @@
 import hashlib
 import json
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Row, select
 from sqlalchemy.exc import IntegrityError
@@ -44,8 +46,17 @@ def hash_spec(spec: JobSpec) -> str:
     return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class Trial:
+    """What makes a job a sweep's trial: the sweep, its number there and its parameters."""
+
+    sweep_id: str
+    index: int
+    params: dict[str, Any]
+
+
 def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: Sequence[WorkerMemory] = (),
-           idempotency_key: str | None = None, cloned_from: str | None = None) -> Job:
+           idempotency_key: str | None = None, cloned_from: str | None = None, trial: Trial | None = None) -> Job:
     """Insert a queued job (the caller commits, then enqueues).
 
     A job with a model gets a memory plan (against the live workers' memory); strategy "auto" is stored as
@@ -70,12 +81,16 @@ def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: S
         plan=plan.model_dump(mode="json") if plan else None,
         version=1,  # the server default's, set here so the INSERT needs no RETURNING
         cloned_from=cloned_from,
+        sweep_id=trial.sweep_id if trial else None,
+        sweep_trial=trial.index if trial else None,
+        sweep_params=trial.params if trial else None,
     )
     db.add(job)
     db.flush()
     db.add_all(JobTag(job_id=job.id, tag=tag) for tag in dict.fromkeys(spec.tags))
+    detail = f"cloned from {cloned_from}" if cloned_from else "submitted"
     record_event(db, job_id=job.id, kind=JobStatus.QUEUED,
-                 detail=f"cloned from {cloned_from}" if cloned_from else "submitted")
+                 detail=f"trial {trial.index} of sweep {trial.sweep_id}" if trial else detail)
     return job
 
 
@@ -88,7 +103,8 @@ def find_by_key(db: Session, *, spec: JobSpec, idempotency_key: str, owner: str 
 
 
 def create_once(db: Session, *, spec: JobSpec, idempotency_key: str | None, owner: str = DEFAULT_OWNER,
-                workers: Sequence[WorkerMemory] = (), cloned_from: str | None = None) -> tuple[Job, bool]:
+                workers: Sequence[WorkerMemory] = (), cloned_from: str | None = None,
+                trial: Trial | None = None) -> tuple[Job, bool]:
     """Create and commit a job; (job, False) when a concurrent request with the same key committed first.
 
     The unique (owner, idempotency_key) decides the race: the loser's INSERT fails, it rolls back and answers
@@ -96,7 +112,7 @@ def create_once(db: Session, *, spec: JobSpec, idempotency_key: str | None, owne
     """
     try:
         job = create(db, spec=spec, owner=owner, workers=workers, idempotency_key=idempotency_key,
-                     cloned_from=cloned_from)
+                     cloned_from=cloned_from, trial=trial)
         db.commit()
     except IntegrityError:
         db.rollback()
@@ -131,7 +147,7 @@ def dispatch_view(db: Session, *, job_ids: Collection[str]) -> dict[str, Row]:
 
 def list_page(
     db: Session, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None,
-    owner: str | None = None, name: str | None = None, tag: str | None = None,
+    owner: str | None = None, name: str | None = None, tag: str | None = None, sweep: str | None = None,
 ) -> tuple[list[Row], str | None]:
     """(id, version) of a page of jobs, newest first; the cursor is the id of the last job of the previous page.
 
@@ -150,6 +166,8 @@ def list_page(
         query = query.where(Job.name.startswith(name, autoescape=True))
     if tag:
         query = query.where(Job.id.in_(select(JobTag.job_id).where(JobTag.tag == tag)))
+    if sweep:
+        query = query.where(Job.sweep_id == sweep)
     rows = db.execute(query).all()
     next_cursor = rows[limit - 1].id if len(rows) > limit else None
     return rows[:limit], next_cursor

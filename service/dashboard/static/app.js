@@ -111,13 +111,14 @@ $("token-form").addEventListener("submit", (ev) => {
 });
 $("token-forget").addEventListener("click", () => { localStorage.removeItem(TOKEN_KEY); held.clear(); showToken(); });
 
-// ---- Views: #/?status=&name=&tag= (jobs), #/jobs/<id>, #/compare?ids=a,b&metric=loss, #/queue, #/workers.
-// Each returns its stop(). The hash holds a view's state, so a filtered list or a comparison can be bookmarked
-// and shared.
+// ---- Views: #/?status=&name=&tag= (jobs), #/jobs/<id>, #/compare?ids=a,b&metric=loss, #/sweeps,
+// #/sweeps/<id> (sweeps.js), #/queue, #/workers. Each returns its stop(). The hash holds a view's state, so a
+// filtered list or a comparison can be bookmarked and shared.
 let stopView = () => {};
 function show(name) {
   for (const v of document.querySelectorAll(".view")) v.hidden = v.id !== `view-${name}`;
-  for (const a of document.querySelectorAll("[data-nav]")) a.classList.toggle("on", a.dataset.nav === name);
+  const nav = name === "sweep" ? "sweeps" : name;
+  for (const a of document.querySelectorAll("[data-nav]")) a.classList.toggle("on", a.dataset.nav === nav);
 }
 function hashParts() {
   const hash = location.hash.slice(1) || "/", i = hash.indexOf("?");
@@ -134,8 +135,10 @@ const keepInUrl = (path, params) => history.replaceState(null, "", hashOf(path, 
 function route() {
   stopView(); report(null);
   const [path, query] = hashParts();
-  const m = path.match(/^\/jobs\/([^/]+)$/);
+  const m = path.match(/^\/jobs\/([^/]+)$/), sweep = path.match(/^\/sweeps\/([^/]+)$/);
   if (m) stopView = jobView(decodeURIComponent(m[1]));
+  else if (sweep) stopView = sweepView(decodeURIComponent(sweep[1])); // sweeps.js
+  else if (path === "/sweeps") stopView = sweepsView();
   else if (path === "/workers") stopView = workersView();
   else if (path === "/queue") stopView = queueView();
   else if (path === "/compare") stopView = compareView(query);
