@@ -16,12 +16,10 @@ from collections.abc import Iterable
 from redis import Redis
 from rq import Queue
 from rq.exceptions import DequeueTimeout, NoSuchJobError
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE
 from service.jobs import service as jobs
-from service.jobs.models import Job
 from service.jobs.queue import GANG, parse_node_task_id
 from service.scheduling import policy
 from service.scheduling import service as scheduling
@@ -61,10 +59,8 @@ class Chooser:
         """Of the priority queues' entries (id -> queue), those this worker takes, in order: the jobs the plan
         assigns it, after any stale entry (its job no longer queued: taking it just drops it)."""
         mine = self.plan(db, entries).for_worker(self.offer.id)
-        ids = list(entries)
-        known = dict(db.execute(select(Job.id, Job.status).where(Job.id.in_(ids))).all()) if ids else {}
-        stale = [e for e in ids if known.get(e) != JobStatus.QUEUED]
-        return stale + [j for j in mine if j in entries]
+        queued = scheduling.queued_among(db, list(entries))
+        return [e for e in entries if e not in queued] + [j for j in mine if j in entries]
 
     def takes(self, db: Session, entry_ids: list[str], *, gang: bool = True) -> list[str]:
         """The gang node tasks this worker would take, in queue order (a stale one: taking it just drops it).

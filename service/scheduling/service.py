@@ -109,6 +109,15 @@ def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req]
                            accounts=accounts, teams=teams, settings=policy_settings(settings))
 
 
+def queued_among(db: Session, job_ids: list[str]) -> set[str]:
+    """Which of these jobs are queued (a queue entry of any other is stale: its job ran, ended or is gone)."""
+    found: set[str] = set()
+    for i in range(0, len(job_ids), 1000):
+        found.update(db.scalars(select(Job.id).where(Job.id.in_(job_ids[i:i + 1000]),
+                                                     Job.status == JobStatus.QUEUED)))
+    return found
+
+
 def usage_now(db: Session, *, now: datetime, half_life_s: float) -> dict[str, float]:
     """Every owner's stored usage, decayed to now (closed attempts only)."""
     return {u.owner: policy.decayed(u.device_seconds, (now - u.as_of).total_seconds(), half_life_s)
