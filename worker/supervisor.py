@@ -1,5 +1,5 @@
 """Launch torchrun for one attempt and watch it: ship output and metrics, honour cancel and timeout (the watch
-on its progress and stragglers is worker/watch.py's)."""
+on its progress, stragglers and devices is worker/watch.py's)."""
 
 import enum
 import logging
@@ -197,6 +197,7 @@ class Supervisor:
                 log.error("attempt %s left %d process(es); killing them", self.tag, len(left))
                 procs.stop(0)
             proc.stdout.close()
+            self.watch.close()
             shutil.rmtree(self.run_dir / "tmp", ignore_errors=True)
         return self._outcome(exit_code, stop_reason, killed)
 
@@ -401,6 +402,10 @@ class Supervisor:
         if stop_reason == "hung":
             error = {"type": ErrorType.HANG, "message": self.watch.hang_message, "rank": None,
                      "exit_code": exit_code, "final": self.watch.hang_action == "fail"}
+            return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
+        if stop_reason == "idle":  # idle.action fail: retrying would idle again
+            error = {"type": ErrorType.IDLE, "message": self.watch.idle_message, "rank": None,
+                     "exit_code": exit_code, "final": True}
             return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
         if stop_reason == "lost":
             error = {"type": ErrorType.ATTEMPT_LOST, "message": "another attempt or a cancel took the job",

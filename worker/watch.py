@@ -1,26 +1,29 @@
 """What the supervisor watches in a running attempt besides its lifetime: hangs (with every rank's stack), the
-stacks a user asks for, and stragglers. Called once per poll; what it finds is written in the shipping
-transaction (write, then committed once stored, as the log and the metrics are)."""
+stacks a user asks for, stragglers, and idle devices (from the usage it samples: worker/usage.py). Called once
+per poll; what it finds is written in the shipping transaction (write, then committed once stored, as the log
+and the metrics are)."""
 
 import collections
 import logging
 import statistics
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 
 from sqlalchemy.orm import Session
 
 from service.jobs import records
+from service.metrics import service as metrics_service
 from service.settings import Settings
 from trainjobs.spec import JobSpec
-from worker import stacks
+from worker import stacks, usage
 from worker.shipping import MetricTail
 
 log = logging.getLogger(__name__)
+CPU_SERIES = "cpu_util/rank"  # + the global rank: percent of one core, the rank and its own children
 
 
 class Watch:
-    """Hang detection, stacks on request and stragglers for one attempt on this node."""
+    """Hang detection, stacks on request, stragglers and idle devices for one attempt on this node."""
 
     def __init__(self, *, spec: JobSpec, settings: Settings, job_id: str, attempt: int, metrics: MetricTail):
         self.settings, self.job_id, self.attempt, self.metrics = settings, job_id, attempt, metrics
@@ -30,6 +33,7 @@ class Watch:
         self.hang_factor = hang.factor if hang.factor is not None else settings.hang_factor
         self.hang_startup_s = hang.startup_s if hang.startup_s is not None else settings.hang_startup_s
         self.hang_action = hang.action or settings.hang_action
+        self.hang_on = hang.enabled
         self.hang_message: str | None = None
         self._hang_reported = False
         self._active_at = self._launched_at = time.monotonic()  # a new step (or, before the first, new output)
@@ -40,16 +44,31 @@ class Watch:
         self._stacks_asked: datetime | None = None  # the job's stacks_requested_at, as last read
         self._stacks_served: datetime | None = None
         self._stacks_read = False  # a request older than this attempt's first renewal is not for it
+        self.straggler_on = spec.straggler.enabled
         self.straggler_factor = spec.straggler.factor or settings.straggler_factor
         self.straggler_windows = spec.straggler.windows or settings.straggler_windows
         self._slow_windows: dict[int, int] = {}  # rank -> log windows in a row it was slow
         self._stragglers: set[int] = set()  # named once per attempt
         self.warnings_pending: list[dict] = []
-        self._written: tuple[dict | None, int] = (None, 0)  # what the last write() added to its transaction
+        # Usage and idleness (spec.idle, else the settings): sampled every usage_sample_s from outside the ranks.
+        idle = spec.idle
+        self.sample_s = settings.usage_sample_s if idle.enabled else 0.0
+        self.idle_min_util = idle.min_util if idle.min_util is not None else settings.idle_min_util
+        self.idle_window_s = idle.window_s if idle.window_s is not None else settings.idle_window_s
+        self.idle_action = idle.action or settings.idle_action
+        self.idle_message: str | None = None
+        self._sampled_at = self._busy_at = time.monotonic()
+        self._gpus = usage.GpuReader(usage.job_gpus(spec.resources.nproc_per_node)) \
+            if self.sample_s and spec.resources.device != "cpu" else None
+        if self._gpus is not None and self._gpus.source is None:  # "auto" on a machine without a GPU: its CPUs
+            self._gpus = None
+        self._cpu = usage.RankCpu()
+        self.samples_pending: list[tuple[int, str, float, datetime]] = []
+        self._written: tuple[dict | None, int, int] = (None, 0, 0)  # what the last write() added to its transaction
 
     def launched(self) -> None:
         """The ranks start now: an environment build before it was no part of the run."""
-        self._active_at = self._launched_at = time.monotonic()
+        self._active_at = self._launched_at = self._busy_at = time.monotonic()
 
     def output_seen(self) -> None:
         self._output_at = time.monotonic()
@@ -66,10 +85,16 @@ class Watch:
         return self.stacks_pending is not None or bool(self.warnings_pending)
 
     def poll(self, torchrun_pid: int) -> str | None:
-        """Once per poll while the ranks run: "hung" when they must be stopped, else None."""
+        """Once per poll while the ranks run: "hung" or "idle" when they must be stopped, else None."""
         hung = self._watch_hang(torchrun_pid)
-        self._watch_stragglers()
-        return "hung" if hung else None
+        if self.straggler_on:
+            self._watch_stragglers()
+        idle = self._watch_usage(torchrun_pid) if self.sample_s else False
+        return "hung" if hung else "idle" if idle else None
+
+    def close(self) -> None:
+        if self._gpus is not None:
+            self._gpus.close()
 
     def _watch_hang(self, torchrun_pid: int) -> bool:
         """Hang detection, and the stacks a user asked for; True when the ranks are hung and must stop.
@@ -95,7 +120,7 @@ class Watch:
                     if self._step_times else 0.0)
         if self._step_seen == 0 and self._output_at < self._launched_at:
             bound = max(bound, self.hang_startup_s)
-        if silent < bound or self._hang_reported:
+        if silent < bound or self._hang_reported or not self.hang_on:
             return False
         dump = stacks.dump(torchrun_pid, reason="hang")
         what = f"no new step for {silent:.0f}s after step {self._step_seen}" if self._step_seen else \
@@ -127,19 +152,61 @@ class Watch:
                     self.warnings_pending.append({"kind": "straggler", "rank": rank, "attempt": self.attempt,
                                                   "message": message})
 
+    def _watch_usage(self, torchrun_pid: int) -> bool:
+        """Sample the job's GPUs (or each rank's CPU) every sample_s into its usage series; True when it has been
+        idle for the window and idle.action is fail. Idle: every device (every rank) below min_util, at every
+        sample since the window began (the launch, or the last sample that was not idle)."""
+        now = time.monotonic()
+        if now - self._sampled_at < self.sample_s:
+            return False
+        self._sampled_at = now
+        step, at = self.metrics.last_step, datetime.now(UTC)
+        if self._gpus is not None:
+            gpus = self._gpus.read()
+            if not gpus:
+                return False
+            utils = [g.util for g in gpus]
+            self.samples_pending += [(step, "gpu_util", sum(utils) / len(utils), at),
+                                     (step, "gpu_mem", sum(g.mem_bytes for g in gpus) / 2**20, at)]
+            what = f"the job's GPUs ({', '.join(f'{u:.0f}%' for u in utils)} at the last sample)"
+        else:
+            ranks = self._cpu.read(torchrun_pid)
+            if not ranks:  # the first sample is the baseline of the next
+                return False
+            utils = list(ranks.values())
+            self.samples_pending += [(step, f"{CPU_SERIES}{rank}", value, at) for rank, value in ranks.items()]
+            what = "every rank's CPU use (" + ", ".join(f"rank {r}: {v:.1f}%" for r, v in ranks.items()) + \
+                " at the last sample)"
+        if max(utils) >= self.idle_min_util:
+            self._busy_at = now
+        if self.idle_message is not None or now - self._busy_at < self.idle_window_s:
+            return False
+        self.idle_message = (f"{what} stayed below idle.min_util={self.idle_min_util:g}% for "
+                             f"{now - self._busy_at:.0f}s (idle.window_s={self.idle_window_s:g}, attempt "
+                             f"{self.attempt})")
+        log.warning("job %s: %s; action %s", self.job_id, self.idle_message, self.idle_action)
+        self.warnings_pending.append({"kind": "idle", "rank": None, "attempt": self.attempt,
+                                      "message": self.idle_message})
+        return self.idle_action == "fail"
+
     def write(self, db: Session, *, node_rank: int) -> None:
-        """The pending warnings and dump, into the shipping transaction (lifecycle.hold's: the job's row lock)."""
+        """The pending warnings, dump and usage samples, into the shipping transaction (lifecycle.hold's: the job's
+        row lock)."""
         for warning in self.warnings_pending:
             records.add_warning(db, job_id=self.job_id, warning=warning)
         if self.stacks_pending is not None:
             records.record_stacks(db, job_id=self.job_id, attempt=self.attempt, node_rank=node_rank,
                                   stacks=self.stacks_pending)
-        self._written = (self.stacks_pending, len(self.warnings_pending))
+        if self.samples_pending:
+            metrics_service.replace_samples(db, job_id=self.job_id, attempt=self.attempt, node_rank=node_rank,
+                                            rows=self.samples_pending)
+        self._written = (self.stacks_pending, len(self.warnings_pending), len(self.samples_pending))
 
     def committed(self) -> None:
         """What the last write() added is stored: drop it (what came since stays for the next)."""
-        written, warned = self._written
+        written, warned, sampled = self._written
         if written is not None and written is self.stacks_pending:
             self.stacks_pending = None
         del self.warnings_pending[:warned]
-        self._written = (None, 0)
+        del self.samples_pending[:sampled]
+        self._written = (None, 0, 0)
