@@ -39,6 +39,7 @@ bench: $(STAMP) services
 	$(PY) bench/lost_worker.py
 	$(PY) bench/polling.py
 	$(PY) bench/auth.py
+	$(PY) bench/watch.py
 
 clean:
 	rm -rf $(VENV) trainjobs-data
