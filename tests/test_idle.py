@@ -2,6 +2,9 @@
 rank's CPU use, into the job's metrics; a job below idle.min_util for idle.window_s gets a warning once per
 attempt, or with idle.action fail fails with `idle`. CPU here; the GPU readers on a fake nvidia-smi."""
 
+import os
+import subprocess
+import sys
 import time
 
 from sqlalchemy import create_engine, select
@@ -43,6 +46,10 @@ def test_sleeping_ranks_are_named_idle_once_a_busy_job_is_not_and_each_ranks_cpu
     assert warning["kind"] == "idle" and warning["attempt"] == 1, warning
     assert "every rank's CPU use (rank 0: " in warning["message"] and "below idle.min_util=5%" in warning["message"]
     assert idle_events(postgres_url, sleeping["id"]) == [warning["message"]]
+    status = subprocess.run([sys.executable, "-m", "service.cli", "status", sleeping["id"]], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "TRAINJOBS_API_URL": stack.api_url,
+                                                        "TRAINJOBS_TOKEN": stack.token or "", "COLUMNS": "400"})
+    assert f"warning (idle): {warning['message']}" in status.stdout, status.stdout + status.stderr
     series = {s["name"]: s for s in api.get(f"/v1/jobs/{sleeping['id']}/metrics").json()["series"]}
     assert {"cpu_util/rank0", "cpu_util/rank1"} <= set(series), list(series)
     assert all(v < 5 for v in series["cpu_util/rank1"]["values"][-3:]), series["cpu_util/rank1"]
