@@ -40,6 +40,7 @@ bench: $(STAMP) services
 	$(PY) bench/polling.py
 	$(PY) bench/auth.py
 	$(PY) bench/scheduler_sim.py
+	$(PY) bench/watch.py
 
 clean:
 	rm -rf $(VENV) trainjobs-data

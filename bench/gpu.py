@@ -1,7 +1,8 @@
 """The device check: an NCCL DDP job and an FSDP bf16 job through the real service, on one machine.
 
 Prints, for each: the plan's per-device estimate beside the measured peak (torch.cuda.max_memory_allocated
-of rank 0, from the job's summary), measured / plan, tokens/s and MFU. `--device cpu` runs the same on
+of rank 0, from the job's summary), measured / plan, tokens/s and MFU, and the use the worker sampled
+(`gpu_util`, `gpu_mem`: worker/usage.py, NVML or nvidia-smi; on CPU `cpu_util/rank<r>`). `--device cpu` runs the same on
 gloo as a dry run (no MFU; the peak is RSS there). One script, so a lent GPU machine runs it in one call.
 """
 
@@ -53,6 +54,11 @@ def main() -> None:
                   f"{memory['estimated_mb']:.0f} MB/device, measured peak {memory['measured_peak_mb']:.0f} MB, "
                   f"measured / plan {ratio:.2f}; {s.get('tokens_per_s', 0):,.0f} tokens/s, MFU {mfu}; "
                   f"final loss {s['final_loss']:.3f}", flush=True)
+            usage = {u["name"]: u["values"] for u in api.get(f"/v1/jobs/{job['id']}/metrics").json()["series"]
+                     if u["name"] in ("gpu_util", "gpu_mem") or u["name"].startswith("cpu_util/")}
+            print(f"{strategy}: usage sampled by the worker (worker/usage.py): " + (", ".join(
+                f"{name} median {sorted(v)[len(v) // 2]:.1f} over {len(v)} points" for name, v in sorted(usage.items()))
+                or "none"), flush=True)
     print(f"context: {os.cpu_count()} cores; plan device memory source: {job['plan']['device_memory_source']}")
 
 

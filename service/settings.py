@@ -65,6 +65,13 @@ class Settings(BaseSettings):
     straggler_windows: int = Field(3, ge=1)
     straggler_min_excess_s: float = Field(0.002, ge=0, description="and at least this much slower per step than "
                                           "the others' median: microseconds of jitter are no straggler")
+    # Usage (worker/usage.py) and idle devices (a job's spec.idle overrides the last three).
+    usage_sample_s: float = Field(5.0, ge=0, description="how often a supervisor samples its job's GPUs (or, on "
+                                  "CPU, each rank's CPU use) into gpu_util, gpu_mem, cpu_util/rank<r>; 0: never "
+                                  "(no usage series, no idle rule)")
+    idle_min_util: float = Field(5.0, ge=0, le=100, description="percent of each GPU (on CPU: of one core per rank)")
+    idle_window_s: float = Field(600.0, gt=0, description="below idle_min_util this long, all of it, is idle")
+    idle_action: Literal["warn", "fail"] = "warn"
     # Sweeper inside the API: re-enqueues queued jobs that Redis lost.
     reconcile_s: float = Field(30.0, gt=0)
     # ... and finds expired leases (lost workers) and retries whose backoff is over, this often.

@@ -15,6 +15,7 @@ from sqlalchemy import create_engine, update
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
+from service.jobs import records
 from service.jobs.models import Job
 from service.metrics import service as metrics
 from tests.conftest import mlp_spec
@@ -354,3 +355,25 @@ def test_the_queue_page_shows_waiting_jobs_in_start_order_with_their_reasons(pag
     finally:
         for job_id in ids:
             api.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def test_a_job_page_charts_each_ranks_step_time_and_cpu_and_shows_an_idle_warning(page, api, postgres_url):
+    resources = {"nnodes": 1, "nproc_per_node": 2, "device": "cpu", "selector": {"pool": "nowhere"}}
+    job_id = api.post("/v1/jobs", json=mlp_spec(name="dash-ranks", resources=resources)).json()["id"]  # queued
+    engine = create_engine(postgres_url)
+    with Session(engine) as db:  # what the runtime reports (step_time_s/rank<r>) and the supervisor samples
+        rows = [(s, f"{name}{rank}", value * (rank + 1) + s / 100, utcnow()) for s in range(1, 11) for rank in (0, 1)
+                for name, value in (("step_time_s/rank", 0.01), ("cpu_util/rank", 40.0))]
+        metrics.insert_batch(db, job_id=job_id, attempt=1, rows=rows)
+        records.add_warning(db, job_id=job_id, warning={"kind": "idle", "rank": None, "attempt": 1,
+                                                        "message": "every rank's CPU use stayed low"})
+        db.commit()
+    engine.dispose()
+    page.evaluate(f"location.hash = '#/jobs/{job_id}'")
+    expect(page.locator("#job-name")).to_have_text("dash-ranks")
+    expect(page.locator("#chart-ranks path.line")).to_have_count(2, timeout=15_000)
+    expect(page.locator("#chart-ranks text.legend")).to_have_text(["rank 0", "rank 1"])
+    expect(page.locator("#chart-usage path.line")).to_have_count(2)
+    expect(page.locator("#usage-caption")).to_have_text("CPU use per rank (% of a core)")
+    expect(page.locator("#job-warnings li")).to_have_text(["idle: every rank's CPU use stayed low"])
+    api.post(f"/v1/jobs/{job_id}/cancel")

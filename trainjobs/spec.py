@@ -209,6 +209,8 @@ class InitFrom(_Strict):
 class StragglerConfig(_Strict):
     """When a rank of the built-in runtime is named a straggler (unset: the worker's defaults)."""
 
+    enabled: bool = Field(True, description="false: the runtime neither times each rank's own step nor gathers "
+                          "it (no step_time_s/rank<r> series), and no rank is named")
     factor: float | None = Field(None, gt=1, le=100, description="its own step time at least this many times the "
                                  "median of the others' (default TRAINJOBS_STRAGGLER_FACTOR, 1.3)")
     windows: int | None = Field(None, ge=1, le=1000, description="for this many log windows in a row "
@@ -218,6 +220,8 @@ class StragglerConfig(_Strict):
 class HangConfig(_Strict):
     """When a job that stopped making progress is hung, and what then (unset: the worker's defaults)."""
 
+    enabled: bool = Field(True, description="false: the worker never calls the job hung (POST .../stacks still "
+                          "works)")
     min_s: float | None = Field(None, gt=0, le=7 * 24 * 3600, description="never hung sooner than this "
                                 "(default TRAINJOBS_HANG_MIN_S, 300)")
     factor: float | None = Field(None, ge=1, le=10_000, description="hung after this many median step times "
@@ -228,6 +232,20 @@ class HangConfig(_Strict):
     action: Literal["retry", "fail", "report"] | None = Field(
         None, description="retry: a new attempt from the last checkpoint (a second hang fails the job); fail; "
         "report: keep running, record the stacks and an event (default TRAINJOBS_HANG_ACTION, retry)")
+
+
+class IdleConfig(_Strict):
+    """When a job's devices are idle (on CPU: every rank's CPU), and what then (unset: the worker's defaults)."""
+
+    enabled: bool = Field(True, description="false: no idle rule, and the worker samples no usage series for "
+                          "the job")
+    min_util: float | None = Field(None, ge=0, le=100, description="idle below this utilisation, in percent: of "
+                                   "each GPU, or on CPU of one core per rank (default TRAINJOBS_IDLE_MIN_UTIL, 5)")
+    window_s: float | None = Field(None, gt=0, le=7 * 24 * 3600, description="for this long without a break "
+                                   "(default TRAINJOBS_IDLE_WINDOW_S, 600): a job that ends sooner is never idle")
+    action: Literal["warn", "fail"] | None = Field(
+        None, description="warn: a warning and an event, once per attempt; fail: the job fails with 'idle', "
+        "never retried (default TRAINJOBS_IDLE_ACTION, warn)")
 
 
 class Entrypoint(_Strict):
@@ -297,6 +315,7 @@ class JobSpec(_Strict):
     fault_injection: FaultInjection | None = None
     hang: HangConfig = Field(default_factory=HangConfig)
     straggler: StragglerConfig = Field(default_factory=StragglerConfig)
+    idle: IdleConfig = Field(default_factory=IdleConfig)
     init_from: InitFrom | None = Field(None, description="the built-in runtime loads these weights before step 0; "
                                        "a script gets their path in TRAINJOBS_INIT_FROM")
     env: dict[EnvName, EnvValue] = Field(

@@ -75,4 +75,5 @@ class ErrorType(StrEnum):
     UNSAFE_PACKAGE = "unsafe_package"  # the worker's own check of the package before unpacking refused it
     INIT_FROM_UNAVAILABLE = "init_from_unavailable"  # spec.init_from's weights are gone (deleted, collected)
     HANG = "hang"  # no progress past the hang bound (spec.hang): the ranks' stacks are on the attempt
+    IDLE = "idle"  # its devices (on CPU: every rank's CPU) below idle.min_util for idle.window_s, action fail
     REQUIREMENTS_FAILED = "requirements_failed"  # pip could not install entrypoint.requirements (pip's words)

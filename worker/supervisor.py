@@ -1,17 +1,15 @@
-"""Launch torchrun for one attempt and watch it: ship output and metrics, honour cancel and timeout."""
+"""Launch torchrun for one attempt and watch it: ship output and metrics, honour cancel and timeout (the watch
+on its progress, stragglers and devices is worker/watch.py's)."""
 
-import collections
 import enum
 import logging
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -23,9 +21,10 @@ from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType, JobStatus
-from worker import environments, launch, packages, processes, stacks
+from worker import environments, launch, packages, processes
 from worker.root_cause import root_cause
 from worker.shipping import LogShipper, MetricTail, OutputPump, sanitized_note
+from worker.watch import Watch
 
 log = logging.getLogger(__name__)
 PREEMPT_RESEND_S = 1.0  # how often a preemption request is repeated to the ranks until they act on it
@@ -71,27 +70,7 @@ class Supervisor:
         self.preempted_by: str | None = None  # or the scheduler asked for it (a higher-priority job): who, and why
         self._preempt_since: float | None = None
         self._preempt_sent = -float("inf")
-        # Hang detection (spec.hang, else the settings): when the job last showed progress, and how long a step takes.
-        hang = spec.hang
-        self.hang_min_s = hang.min_s if hang.min_s is not None else settings.hang_min_s
-        self.hang_factor = hang.factor if hang.factor is not None else settings.hang_factor
-        self.hang_startup_s = hang.startup_s if hang.startup_s is not None else settings.hang_startup_s
-        self.hang_action = hang.action or settings.hang_action
-        self.hang_message: str | None = None
-        self._hang_reported = False
-        self._active_at = self._launched_at = time.monotonic()  # a new step (or, before the first, new output)
-        self._output_at = -float("inf")
-        self._step_seen = 0
-        self._step_times: collections.deque[float] = collections.deque(maxlen=64)
-        self._stacks_pending: dict | None = None  # a dump not yet stored on the attempt
-        self._stacks_asked: datetime | None = None  # the job's stacks_requested_at, as last read
-        self._stacks_served: datetime | None = None
-        self._stacks_read = False  # a request older than this attempt's first renewal is not for it
-        self.straggler_factor = spec.straggler.factor or settings.straggler_factor
-        self.straggler_windows = spec.straggler.windows or settings.straggler_windows
-        self._slow_windows: dict[int, int] = {}  # rank -> log windows in a row it was slow
-        self._stragglers: set[int] = set()  # named once per attempt
-        self._warnings_pending: list[dict] = []
+        self.watch = Watch(spec=spec, settings=settings, job_id=job_id, attempt=attempt, metrics=self.metrics)
 
     def run(self) -> Outcome:
         scripts_dir = self.settings.resolved_scripts_dir
@@ -159,7 +138,7 @@ class Supervisor:
         )
         procs.root_pid = proc.pid
         pump = OutputPump(proc.stdout.fileno())
-        self._active_at = self._launched_at = time.monotonic()  # an environment build was no part of the run
+        self.watch.launched()
         try:
             moved = self.gang is not None  # a gang turned running when it formed (worker/gang.py)
             with self.sessions() as db:
@@ -187,9 +166,10 @@ class Supervisor:
                         stop_reason = "timeout"
                     elif self._preempt_past_grace(proc.pid):
                         stop_reason = "preempted"
-                    elif self._watch(proc.pid):
-                        stop_reason = "hung"
-                    self._watch_stragglers()
+                    else:
+                        stop_reason = self.watch.poll(proc.pid)
+                    if stop_reason is None and self.watch.pending:  # a dump or a warning: stored now
+                        self._ship(None)
                 if stop_reason is not None:
                     if stop_reason not in ("lost", "lease_expired"):
                         # stop_all blocks through the grace period: hold the lease past it, so a slow-dying
@@ -218,6 +198,7 @@ class Supervisor:
                 log.error("attempt %s left %d process(es); killing them", self.tag, len(left))
                 procs.stop(0)
             proc.stdout.close()
+            self.watch.close()
             shutil.rmtree(self.run_dir / "tmp", ignore_errors=True)
         return self._outcome(exit_code, stop_reason, killed)
 
@@ -298,63 +279,6 @@ class Supervisor:
                              archive=package_file(self.settings.resolved_storage_dir, entrypoint.package))
         return code_dir
 
-    def _watch(self, torchrun_pid: int) -> bool:
-        """Hang detection, and the stacks a user asked for; True when the ranks are hung and must stop.
-
-        Progress is a new step; before a job's first step (a script that reports nothing), new output. No progress
-        for max(min_s, factor × the median step time) is a hang (before the first output or step, while the
-        ranks import and meet, at least startup_s): every rank's stack is taken (worker/stacks.py) and stored on
-        the attempt, then hang.action applies (report: an event, once per hang, and go on).
-        """
-        now = time.monotonic()
-        if self.metrics.last_step != self._step_seen:
-            self._step_seen, self._active_at, self._hang_reported = self.metrics.last_step, now, False
-            if self.metrics.last_step_time_s:
-                self._step_times.append(self.metrics.last_step_time_s)
-        elif self._step_seen == 0 and self._output_at > self._active_at:
-            self._active_at, self._hang_reported = self._output_at, False
-        if self._stacks_asked is not None and self._stacks_asked != self._stacks_served:
-            self._stacks_served = self._stacks_asked
-            self._stacks_pending = {**stacks.dump(torchrun_pid, reason="requested"),
-                                    "requested_at": self._stacks_asked.isoformat()}
-        silent = now - self._active_at
-        bound = max(self.hang_min_s, self.hang_factor * statistics.median(self._step_times)
-                    if self._step_times else 0.0)
-        if self._step_seen == 0 and self._output_at < self._launched_at:
-            bound = max(bound, self.hang_startup_s)
-        if silent < bound or self._hang_reported:
-            return False
-        dump = stacks.dump(torchrun_pid, reason="hang")
-        what = f"no new step for {silent:.0f}s after step {self._step_seen}" if self._step_seen else \
-            f"no step reported and no output for {silent:.0f}s"
-        self.hang_message = f"hung: {what} (bound {bound:.0f}s): {stacks.summary(dump)}"
-        self._stacks_pending = {**dump, "message": self.hang_message}
-        log.error("job %s: %s; action %s", self.job_id, self.hang_message, self.hang_action)
-        if self.hang_action == "report":
-            self._hang_reported = True
-            self._ship(None)
-            return False
-        return True
-
-    def _watch_stragglers(self) -> None:
-        """Name a rank whose own step time stays at least `factor` × the median of the others' (and a few ms above
-        it) for `windows` log windows in a row: an event and a warning on the job, once per rank per attempt."""
-        while self.metrics.rank_windows:
-            window = self.metrics.rank_windows.pop(0)
-            for rank, own in window.items():
-                others = statistics.median(v for r, v in window.items() if r != rank) if len(window) > 1 else own
-                slow = own >= self.straggler_factor * others and own - others >= self.settings.straggler_min_excess_s
-                self._slow_windows[rank] = self._slow_windows.get(rank, 0) + 1 if slow else 0
-                if self._slow_windows[rank] >= self.straggler_windows and rank not in self._stragglers:
-                    self._stragglers.add(rank)
-                    message = (f"rank {rank} is a straggler: its own step time (data and forward) was "
-                               f"{own * 1000:.1f} ms, {own / others if others else float('inf'):.1f}x the median of "
-                               f"the other ranks ({others * 1000:.1f} ms) for {self._slow_windows[rank]} log "
-                               f"windows in a row (attempt {self.attempt})")
-                    log.warning("job %s: %s", self.job_id, message)
-                    self._warnings_pending.append({"kind": "straggler", "rank": rank, "attempt": self.attempt,
-                                                   "message": message})
-
     def preempt(self) -> None:
         """The worker is shutting down: checkpoint and hand the job back; a second call stops it now.
 
@@ -388,18 +312,15 @@ class Supervisor:
         """
         if pump is not None and (output := pump.take()):
             self.logs.stage(output)
-            self._output_at = time.monotonic()
+            self.watch.output_seen()
         asked = time.monotonic()
         renew = asked - self._renewed >= self.settings.heartbeat_s
         lease_s = self.settings.lease_s + self._lease_extra_s if renew else None
         try:
-            pending, warned = self._stacks_pending, len(self._warnings_pending)
             if self._hold(asked, lease_s, write=self._write):
                 self.logs.committed()
                 self.metrics.committed()
-                if pending is self._stacks_pending:
-                    self._stacks_pending = None
-                del self._warnings_pending[:warned]
+                self.watch.committed()
             return Shipped.STORED
         except UNREACHABLE as exc:  # no lease alone either: it would wait as long again (run() stops the ranks
             # once the lease runs out unrenewed)
@@ -449,20 +370,14 @@ class Supervisor:
         if held.preempt_detail and self.preempted_by is None:
             self.preempted_by = held.preempt_detail
             self.preempt_requests = max(self.preempt_requests, 1)
-        self._stacks_asked = held.stacks_requested_at
-        if not self._stacks_read:
-            self._stacks_served, self._stacks_read = held.stacks_requested_at, True
+        self.watch.stacks_requested(held.stacks_requested_at)
         return True
 
     def _write(self, db: Session, held: lifecycle.Held) -> None:
-        """This attempt's new output, metric points, resume step and progress."""
+        """This attempt's new output, metric points, what the watch found, resume step and progress."""
         self.logs.write(db)
         self.metrics.write(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
-        for warning in self._warnings_pending:
-            records.add_warning(db, job_id=self.job_id, warning=warning)
-        if self._stacks_pending is not None:
-            records.record_stacks(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
-                                    stacks=self._stacks_pending)
+        self.watch.write(db, node_rank=self.node_rank)
         if self.metrics.resumed_from_step is not None:
             records.record_resume(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
                                     step=self.metrics.resumed_from_step)
@@ -489,8 +404,12 @@ class Supervisor:
                      "rank": None, "exit_code": exit_code}
             return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
         if stop_reason == "hung":
-            error = {"type": ErrorType.HANG, "message": self.hang_message, "rank": None, "exit_code": exit_code,
-                     "final": self.hang_action == "fail"}
+            error = {"type": ErrorType.HANG, "message": self.watch.hang_message, "rank": None,
+                     "exit_code": exit_code, "final": self.watch.hang_action == "fail"}
+            return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
+        if stop_reason == "idle":  # idle.action fail: retrying would idle again
+            error = {"type": ErrorType.IDLE, "message": self.watch.idle_message, "rank": None,
+                     "exit_code": exit_code, "final": True}
             return Outcome(JobStatus.FAILED, exit_code, error=error, killed_pids=killed)
         if stop_reason == "lost":
             error = {"type": ErrorType.ATTEMPT_LOST, "message": "another attempt or a cancel took the job",

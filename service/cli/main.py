@@ -77,6 +77,8 @@ def cmd_status(args, client: Client) -> int:
     if args.json:
         return print_json(job)
     console.print(tables.job_table(job))
+    for warning in job.get("warnings") or []:  # a straggler, an idle job: what the on-call looks for first
+        console.print(Text.assemble((f"warning ({warning['kind']}):", "yellow"), f" {warning['message']}"))
     if job["status"] in TERMINAL:
         print_outcome(job, console)
     for node in client.attempts(args.job_id)["data"]:

@@ -14,6 +14,7 @@ FINAL_TYPES = frozenset({
     ErrorType.ATTEMPT_LOST, ErrorType.PACKAGE_UNAVAILABLE, ErrorType.UNSAFE_PACKAGE,
     ErrorType.REQUIREMENTS_FAILED,  # pip's answer for the same list is the same: a typo, a missing release
     ErrorType.INIT_FROM_UNAVAILABLE,
+    ErrorType.IDLE,  # idle.action fail: the user asked for no second try of a job that sat idle
     "NonFiniteLoss",  # a diverged run (worker/train/main.py, train.stop_on_nan) diverges again from its checkpoint
 })
 # The attempt statuses that spend max_retries; a hand-back (preempted) or a gang's other nodes (stopped) do not.

@@ -4,7 +4,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from itertools import groupby
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from service.metrics import blocks
@@ -26,6 +26,21 @@ def insert_batch(
         blocks.record(db, job_id=job_id, node_rank=node_rank,
                       rows=((v["step"], v["name"], v["value"]) for v in values))
     return len(values)
+
+
+def replace_samples(
+    db: Session, *, job_id: str, attempt: int, rows: list[tuple[int, str, float, datetime]], node_rank: int = 0
+) -> int:
+    """Insert sampled points (a worker's usage readings), keeping one per series, step and attempt: the latest.
+
+    Samples come by the clock, not by the step: a slow (or stuck) step would otherwise keep a row per sample,
+    and its block be recomputed from all of them on every write.
+    """
+    for step in {step for step, _, _, _ in rows}:
+        db.execute(delete(Metric).where(Metric.job_id == job_id, Metric.node_rank == node_rank,
+                                        Metric.attempt == attempt, Metric.step == step,
+                                        Metric.name.in_({name for s, name, _, _ in rows if s == step})))
+    return insert_batch(db, job_id=job_id, attempt=attempt, rows=rows, node_rank=node_rank)
 
 
 def stream_cursor(db: Session, *, job_id: str) -> int:

@@ -155,7 +155,7 @@ def build(spec: JobSpec, data_dir: Path, reporter_path: Path | None, d: Dist) ->
         peak_flops=peak_flops(torch.cuda.get_device_name(d.device)) if d.device.type == "cuda" else None,
         base_mem_mb=base_mem_mb,
         fault_armed=fault is not None and d.rank == fault.rank and fault.attempt in (None, attempt),
-        own_time=OwnTime(d.device),
+        own_time=OwnTime(d.device, enabled=spec.straggler.enabled),
     )
 
 
@@ -219,7 +219,7 @@ def step_metrics(run: Run, window: "Window", step: int, *, loss: float, lr: floa
     samples_per_s = steps * run.global_batch / seconds
     metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": samples_per_s,
                "step_time_s": seconds / steps, "peak_mem_mb": peak_memory_mb(run.d.device)}
-    if run.d.world_size > 1:  # a collective: every rank gathers; global rank 0 reports
+    if run.d.world_size > 1 and run.own_time.enabled:  # a collective: every rank gathers; global rank 0 reports
         metrics.update({f"{own_time.SERIES}{r}": t for r, t in enumerate(run.own_time.gather(steps))})
     if run.info.task == "lm":
         metrics["tokens_per_s"] = samples_per_s * run.info.tokens_per_sample

@@ -17,14 +17,16 @@ SERIES = "step_time_s/rank"  # + the global rank: a metric per rank
 
 
 class OwnTime:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, enabled: bool = True):
         self.cuda = device.type == "cuda"
-        self.device = device
+        self.device, self.enabled = device, enabled  # spec.straggler.enabled: off, nothing is timed or gathered
         self.seconds, self._events = 0.0, []
 
     @contextlib.contextmanager
     def measure(self):
-        if self.cuda:
+        if not self.enabled:
+            yield
+        elif self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield

@@ -4,7 +4,7 @@
 "use strict";
 
 const TOKEN_KEY = "trainjobs.token";
-const PAGE_SIZE = 25, MAX_POINTS = 500, LOG_KEEP = 100_000, MAX_NODE_LINES = 4;
+const PAGE_SIZE = 25, MAX_POINTS = 500, LOG_KEEP = 100_000, MAX_NODE_LINES = 4, MAX_RANK_LINES = 8;
 const MIN_COMPARE = 2, MAX_COMPARE = 10; // as many jobs as the compare view has colours for
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 const SVGNS = "http://www.w3.org/2000/svg";
@@ -340,6 +340,23 @@ function drawCharts(series, nodes = new Map()) {
   const memory = [{ ...get("peak_mem_mb"), name: nodes.size ? "node 0" : "peak_mem_mb" }];
   for (const [rank, s] of nodes) memory.push({ ...s, name: `node ${rank}` });
   drawChart($("chart-memory"), memory, { zero: true });
+  // Each rank's own step time (step_time_s/rank<r>, stragglers) and use of its device: a line per rank.
+  const ranks = perRank(series, "step_time_s/rank").map((l) => ({ ...l, values: l.values.map((v) => v * 1000) }));
+  drawChart($("chart-ranks"), ranks, { zero: true });
+  const gpu = series.has("gpu_util");
+  $("usage-caption").textContent = gpu ? "GPU utilisation (%)" : "CPU use per rank (% of a core)";
+  drawChart($("chart-usage"), gpu ? [get("gpu_util")] : perRank(series, "cpu_util/rank"), { zero: true });
+}
+// The series `<prefix><rank>` as lines named "rank r": with many ranks, the MAX_RANK_LINES highest at their
+// last point (for step time, the slowest ranks), in rank order.
+function perRank(series, prefix) {
+  const lines = [];
+  for (const [name, s] of series) {
+    const suffix = name.startsWith(prefix) ? name.slice(prefix.length) : "";
+    if (/^\d+$/.test(suffix) && s.steps.length) lines.push({ ...s, rank: Number(suffix), name: `rank ${suffix}` });
+  }
+  lines.sort((a, b) => b.values.at(-1) - a.values.at(-1));
+  return lines.slice(0, MAX_RANK_LINES).sort((a, b) => a.rank - b.rank);
 }
 
 // ---- Server-Sent Events over fetch(): EventSource cannot send an Authorization header.
