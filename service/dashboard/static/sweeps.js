@@ -13,14 +13,14 @@ function sweepsView() {
       el("td", {}, el("a", { href: `#/sweeps/${encodeURIComponent(s.id)}` }, s.name)),
       el("td", {}, s.owner), el("td", {}, s.method),
       el("td", { cls: "num" }, `${s.trials.made}/${s.trials.total}`),
-      el("td", { cls: "num" }, s.best ? `${s.metric.name} ${fmt(s.best.best)}` : ""),
+      el("td", { cls: "num" }, s.best ? `${s.metric.name} ${sweepFmt(s.best.best)}` : ""),
       el("td", { title: when(s.created_at) }, ago(s.created_at))));
     document.querySelector("#sweeps-table tbody").replaceChildren(...rows);
     $("sweeps-empty").hidden = rows.length > 0;
   });
 }
 
-const fmt = (v) => (v === null || v === undefined ? "" : typeof v === "number" && !Number.isInteger(v)
+const sweepFmt = (v) => (v === null || v === undefined ? "" : typeof v === "number" && !Number.isInteger(v)
   ? String(Number(v.toPrecision(4))) : String(v));
 
 function sweepView(id) {
@@ -41,7 +41,7 @@ function sweepView(id) {
       `${t.cancelled} cancelled · early stopping ${stop} · ${s.metric.goal} ${s.metric.name}` +
       (s.error ? ` · error: ${s.error}` : "");
     $("sweep-best").textContent = s.best
-      ? `best ${s.metric.name} ${fmt(s.best.best)}: trial ${s.best.index} ${JSON.stringify(s.best.params)}` : "";
+      ? `best ${s.metric.name} ${sweepFmt(s.best.best)}: trial ${s.best.index} ${JSON.stringify(s.best.params)}` : "";
     $("sweep-cancel").hidden = s.status !== "running";
     renderTrials();
     renderScatter();
@@ -60,8 +60,8 @@ function sweepView(id) {
       { "data-trial": t.index, cls: s.best && s.best.index === t.index ? "chosen" : "" },
       el("td", { cls: "num" }, el("a", { href: `#/jobs/${encodeURIComponent(t.job_id)}` }, t.index)),
       el("td", {}, statusBadge(t.reason || t.status)),
-      ...paths.map((p) => el("td", { cls: "num" }, fmt(t.params[p]))), el("td", { cls: "num" }, t.steps),
-      el("td", { cls: "num" }, fmt(t.last)), el("td", { cls: "num best" }, fmt(t.best))));
+      ...paths.map((p) => el("td", { cls: "num" }, sweepFmt(t.params[p]))), el("td", { cls: "num" }, t.steps),
+      el("td", { cls: "num" }, sweepFmt(t.last)), el("td", { cls: "num best" }, sweepFmt(t.best))));
     document.querySelector("#trials-table tbody").replaceChildren(...rows);
   };
   const renderScatter = () => {
