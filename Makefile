@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test up services lint bench clean
+.PHONY: demo test print-test-workers up services lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/trainjobs demo examples/ddp-mlp.json
 
+# pytest-xdist workers for `make test` (tests/conftest.py gives each its own database and Redis db).
+TEST_WORKERS ?= 3
+
 test: $(STAMP) services
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
+
+print-test-workers:
+	@echo $(TEST_WORKERS)
 
 services:
 	./scripts/ensure-services.sh
