@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 # pytest-xdist workers for `make test` (tests/conftest.py gives each its own database and Redis db). The tests
 # marked `alone` assert wall-clock bounds that hold on a quiet machine: they run afterwards, one at a time.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 
 test: $(STAMP) services
 	$(PY) -m pytest -n $(TEST_WORKERS) -m "not alone"; parallel=$$?; \

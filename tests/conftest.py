@@ -1,6 +1,6 @@
 """Fixtures on the real services: PostgreSQL and SQLite, Redis (db 15, flushed around each test).
 
-Under pytest-xdist (`make test` runs `pytest -n 3`) each worker has a database and a Redis db of its own, so
+Under pytest-xdist (`make test` runs `pytest -n 2`) each worker has a database and a Redis db of its own, so
 one worker's schema reset or FLUSHDB never reaches another's: worker gwN uses the database `<db>_gwN`
 (created from the server's `postgres` database if missing) and the Redis db `<db> - N` (15, 14, 13 by default).
 """
