@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test up services lint bench clean
+.PHONY: demo test print-test-workers up services lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/trainjobs demo examples/ddp-mlp.json
 
+# pytest-xdist workers for `make test` (tests/conftest.py gives each its own database and Redis db). The tests
+# marked `alone` assert wall-clock bounds that hold on a quiet machine: they run afterwards, one at a time.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) services
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not alone"; parallel=$$?; \
+	$(PY) -m pytest -m alone; alone=$$?; \
+	[ $$parallel = 0 ] && [ $$alone = 0 ]
+
+print-test-workers:
+	@echo $(TEST_WORKERS)
 
 services:
 	./scripts/ensure-services.sh

@@ -1,4 +1,9 @@
-"""Fixtures on the real services: PostgreSQL and SQLite, Redis (db 15, flushed around each test)."""
+"""Fixtures on the real services: PostgreSQL and SQLite, Redis (db 15, flushed around each test).
+
+Under pytest-xdist (`make test` runs `pytest -n 2`) each worker has a database and a Redis db of its own, so
+one worker's schema reset or FLUSHDB never reaches another's: worker gwN uses the database `<db>_gwN`
+(created from the server's `postgres` database if missing) and the Redis db `<db> - N` (15, 14, 13 by default).
+"""
 
 import os
 from pathlib import Path
@@ -7,18 +12,60 @@ import pytest
 from fastapi.testclient import TestClient
 from redis import Redis
 from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from service import migrate
 from service.api.app import create_app
 from service.models import Base
 from service.settings import Settings
 
-POSTGRES_URL = os.environ.get("TRAINJOBS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("TRAINJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+CONFIGURED_POSTGRES_URL = os.environ.get("TRAINJOBS_TEST_POSTGRES_URL",
+                                         "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+CONFIGURED_REDIS_URL = os.environ.get("TRAINJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under pytest-xdist; None in a plain run
+
+
+def worker_postgres_url(url: str, worker: str | None) -> str:
+    """The configured database itself in a plain run, `<db>_<worker>` in an xdist worker."""
+    if worker is None:
+        return url
+    parsed = make_url(url)
+    return parsed.set(database=f"{parsed.database}_{worker}").render_as_string(hide_password=False)
+
+
+def worker_redis_url(url: str, worker: str | None) -> str:
+    """The configured Redis db in a plain run (and in gw0), that db minus N in worker gwN: counting down, so
+    the default 15 leaves the low dbs alone."""
+    if worker is None:
+        return url
+    base, _, db = url.rpartition("/")
+    index = int(worker.removeprefix("gw"))
+    db_number = int(db or 0) - index
+    if db_number < 0:
+        raise pytest.UsageError(f"worker {worker} would use Redis db {db_number}: configure a higher db than {url} "
+                                "(TRAINJOBS_TEST_REDIS_URL) or run fewer workers")
+    return f"{base}/{db_number}"
+
+
+POSTGRES_URL = worker_postgres_url(CONFIGURED_POSTGRES_URL, XDIST_WORKER)
+REDIS_URL = worker_redis_url(CONFIGURED_REDIS_URL, XDIST_WORKER)
 QUEUE_PREFIX = f"tjtest{os.getpid()}"
 
 
+def _create_postgres_database() -> None:
+    """A worker's database is made on first use (a fresh machine has only `test` and `postgres`)."""
+    if XDIST_WORKER is None:
+        return  # the configured database exists, as it always had to
+    name = make_url(POSTGRES_URL).database
+    engine = create_engine(make_url(POSTGRES_URL).set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        if conn.scalar(text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": name}) is None:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    engine.dispose()
+
+
 def _reset_postgres() -> None:
+    _create_postgres_database()
     engine = create_engine(POSTGRES_URL)
     with engine.begin() as conn:
         conn.execute(text("DROP SCHEMA public CASCADE"))

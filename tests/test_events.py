@@ -178,6 +178,7 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
+@pytest.mark.alone  # the first batch within 1 s
 def test_a_long_series_is_streamed_in_batches_and_followers_skip_it(api, db):
     """200k points: attaching answers at once, one reader of the whole series holds a batch at a time, and ten
     followers of the log and status (`metrics=none`, as `logs --follow`) or of new points only (`metrics=new`,

@@ -168,6 +168,7 @@ def test_workers_show_another_owners_job_only_to_an_admin(client, settings):
 def test_collecting_the_tests_needs_no_database(tmp_path):
     """A fresh machine: collection builds no app against a database no fixture has migrated yet."""
     env = {**os.environ, "TRAINJOBS_TEST_POSTGRES_URL": "postgresql+psycopg://postgres@127.0.0.1:5432/no_such_db"}
+    env.pop("PYTEST_XDIST_WORKER", None)  # a plain run, not one more xdist worker on this worker's databases
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--collect-only",
                           "tests/test_schemathesis.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)

@@ -1,6 +1,7 @@
 """Stragglers (issue 18): the built-in runtime reports each rank's own step time once per log window (one small
 all_gather, no collective per step); the supervisor names a rank that stays well above the others."""
 
+import pytest
 from sqlalchemy import create_engine, select
 
 from service.jobs.models import JobEvent
@@ -20,6 +21,7 @@ def straggler_events(url: str, job_id: str) -> list[str]:
         engine.dispose()
 
 
+@pytest.mark.alone  # step times: an even job's ranks stay within 1.3x of each other
 def test_a_rank_slowed_on_purpose_is_named_and_an_even_job_gets_no_warning(api, stack, postgres_url):
     train = {"max_steps": 60, "log_every": 5, "seed": 0}
     slowed = api.post("/v1/jobs", json=mlp_spec(name="slowed", train=train, fault_injection={

@@ -123,7 +123,9 @@ class Stack:
         proc = subprocess.Popen(argv, env={**self.env(), **(env or {})}, stdout=self.output, stderr=self.output)
         self.procs.append((name, proc))
 
-    def _wait_ready(self, timeout: float = 90) -> None:
+    # NOTE: a live API process that is still importing is not a failure (a dead one fails at once, check_alive):
+    # on a busy machine (a CI box running tests side by side) its start alone can take more than 30 s.
+    def _wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
