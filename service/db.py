@@ -38,6 +38,9 @@ class Base(DeclarativeBase):
     pass
 
 
+IDLE_IN_TRANSACTION_S = 30.0  # see make_engine
+
+
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         # NOTE: API, worker and supervisor write the same file; WAL plus a busy timeout
@@ -57,8 +60,20 @@ def make_engine(url: str) -> Engine:
     # timeout, minutes, past its lease. pool_size covers the API's 40 threadpool threads: a smaller pool closes
     # each connection past it when it is returned, so a busy API opened a PostgreSQL connection (a backend
     # process) for most requests. Connections open only as they are needed: a worker keeps its few.
-    return create_engine(url, pool_pre_ping=True, pool_size=40, max_overflow=10,
-                         connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+    engine = create_engine(url, pool_pre_ping=True, pool_size=40, max_overflow=10,
+                           connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+
+    # NOTE: a process frozen inside a transaction (a paused VM, SIGSTOP) would hold its row locks for as long as
+    # it is frozen, and the sweeper, which locks a job's row to expire its lease, would wait on it as long. Our
+    # transactions are short: one left idle for IDLE_IN_TRANSACTION_S is a frozen holder, and the server ends
+    # its session (its locks go; the process, should it wake, finds its connection closed: an outage to it).
+    @event.listens_for(engine, "connect")
+    def _postgres_session(dbapi_conn, _record):
+        with dbapi_conn.cursor() as cur:
+            cur.execute(f"SET idle_in_transaction_session_timeout = {int(IDLE_IN_TRANSACTION_S * 1000)}")
+        dbapi_conn.commit()
+
+    return engine
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

@@ -382,5 +382,8 @@ def test_the_dashboard_lists_sweeps_and_shows_the_trials_sorted_by_the_metric_an
         expect(page.locator("#sweep-scatter circle")).to_have_count(6)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=ARTIFACTS / "dashboard-sweep.png", full_page=True)
+        page.click("#sweep-jobs")  # the jobs list, filtered to the sweep's trials (?sweep=)
+        expect(page.locator("#filter-sweep")).to_have_value(grid["sweep"]["id"])
+        expect(page.locator("#jobs-table tbody tr")).to_have_count(6)
         browser.close()
     assert errors == []

@@ -174,7 +174,8 @@ function progressBar(job) {
 const listState = { filterKey: null, cursors: [null], selected: new Map() }; // selected: id → name, in order
 function jobsView(query) {
   show("jobs");
-  const filter = { status: query.get("status") || "", name: query.get("name") || "", tag: query.get("tag") || "" };
+  const filter = { status: query.get("status") || "", name: query.get("name") || "", tag: query.get("tag") || "",
+    sweep: query.get("sweep") || "" };
   const filterKey = JSON.stringify(filter);
   if (filterKey !== listState.filterKey) { listState.filterKey = filterKey; listState.cursors = [null]; }
   const pageUrl = () => {
@@ -233,13 +234,14 @@ function jobsView(query) {
   };
   // A new filter: back to the newest page, the URL rewritten (so the view can be bookmarked), a new poll.
   const applyFilter = () => {
-    Object.assign(filter, { name: $("filter-name").value.trim(), tag: $("filter-tag").value.trim() });
+    Object.assign(filter, { name: $("filter-name").value.trim(), tag: $("filter-tag").value.trim(),
+      sweep: $("filter-sweep").value.trim() });
     listState.filterKey = JSON.stringify(filter); listState.cursors = [null];
     keepInUrl("/", filter);
     restart();
   };
   let typing;
-  for (const id of ["filter-name", "filter-tag"]) {
+  for (const id of ["filter-name", "filter-tag", "filter-sweep"]) {
     $(id).value = filter[id.slice("filter-".length)];
     $(id).oninput = () => { clearTimeout(typing); typing = setTimeout(applyFilter, 300); };
   }

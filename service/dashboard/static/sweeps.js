@@ -26,6 +26,7 @@ const sweepFmt = (v) => (v === null || v === undefined ? "" : typeof v === "numb
 function sweepView(id) {
   show("sweep");
   const base = `/v1/sweeps/${encodeURIComponent(id)}`;
+  $("sweep-jobs").href = `#/?sweep=${encodeURIComponent(id)}`; // the list, filtered to this sweep's trials
   const state = { sweep: null, trials: [], order: 1, param: null }; // order 1: best first
   for (const k of ["sweep-name", "sweep-meta", "sweep-best"]) $(k).textContent = "";
   document.querySelector("#trials-table tbody").replaceChildren();
