@@ -8,17 +8,21 @@ import time
 
 import psutil
 import pytest
+from redis import Redis
+from redis.client import PubSub
+from rq.serializers import JSONSerializer
 from sqlalchemy import create_engine, select
 
 from service.artifacts import service as storage
 from service.cli.stack import Stack
 from service.jobs.models import JobEvent
-from tests.conftest import mlp_spec
+from tests.conftest import REDIS_URL, mlp_spec
 from tests.helpers import module_stack, processes_of, run_torchrun, wait_for, wait_terminal
 from trainjobs import runenv
 from trainjobs.runenv import parse_record
 from trainjobs.spec import JobSpec
 from worker import launch, processes
+from worker.main import PreemptingWorker
 from worker.train.checkpoint import complete_checkpoints
 
 
@@ -78,6 +82,30 @@ def test_the_preempted_record_is_shipped_not_skipped():
     assert parse_record(b'{"type": "preempted", "time": 1.0, "step": 41}') == {"type": "preempted", "time": 1.0,
                                                                               "step": 41}
     assert parse_record(b'{"type": "preempted", "time": 1.0, "step": -1}') is None
+
+
+def test_a_worker_leaves_its_pubsub_channel_at_once_even_when_its_listener_reads_the_reply_first(monkeypatch):
+    # RQ's order (unsubscribe, then stop) let a listener that read the reply first wait 60 s for a subscription:
+    # on a busy machine a worker took a minute to exit after a warm shutdown. The main thread is slowed here on
+    # purpose between the two, as a busy machine slows it.
+    conn = Redis.from_url(REDIS_URL)
+    rq_worker = PreemptingWorker([], connection=conn, serializer=JSONSerializer, name=f"unsub-{time.time_ns()}")
+    rq_worker.subscribe()
+    thread = rq_worker.pubsub_thread
+    wait_for(lambda: rq_worker.pubsub.subscribed, 10, interval=0.01, what="the subscription")
+    sent = PubSub.unsubscribe
+
+    def unsubscribe_then_stall(pubsub, *args):
+        result = sent(pubsub, *args)
+        time.sleep(0.5)  # the listener reads the reply meanwhile
+        return result
+
+    monkeypatch.setattr(PubSub, "unsubscribe", unsubscribe_then_stall)
+    started = time.monotonic()
+    rq_worker.unsubscribe()
+    assert time.monotonic() - started < 3
+    assert not thread.is_alive() and rq_worker.pubsub.connection is None
+    conn.close()
 
 
 stack = module_stack("pre", reconcile_s=1, sweep_s=0.5)

@@ -72,6 +72,26 @@ class PreemptingWorker(Worker):
         except RedisError as exc:
             self.log.warning("Worker %s: Redis is out of reach (%s); the running job goes on", self.name, exc)
 
+    def unsubscribe(self) -> None:
+        # NOTE: RQ sends UNSUBSCRIBE, then stops its listener thread (redis-py's stop() joins without a bound).
+        # If the listener reads the reply before the stop (a busy machine), it waits again, now for a first
+        # subscription, for up to RQ's 60 s: a worker that took a minute to leave. Stop first, then unsubscribe:
+        # the reply wakes the listener, which then sees the stop and closes the connection itself.
+        thread = self.pubsub_thread
+        if not thread:
+            return
+        self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+        thread.stop(timeout=0)  # clears its running flag; never waits here
+        try:
+            self.pubsub.unsubscribe()
+        finally:
+            thread.join(timeout=2)
+            if thread.is_alive():  # the reply never came (Redis gone): a daemon thread, it dies with the process
+                self.log.warning("Worker %s: the pubsub listener did not stop; leaving it", self.name)
+            else:
+                self.pubsub.close()
+            self.pubsub_thread = None
+
     def _tell_horse(self) -> None:
         if self.horse_pid:
             try:
