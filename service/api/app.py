@@ -12,6 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api.events import router as events_router
 from service.api.health import router as health_router
+from service.api.loop_reads import UNREACHABLE as LOOP_UNREACHABLE
+from service.api.loop_reads import LoopReads
 from service.api.middleware import BodyLimit, RefuseNul
 from service.api.plan import router as plan_router
 from service.api.prometheus import install as install_prometheus
@@ -54,7 +56,11 @@ async def lifespan(app: FastAPI):
     deliverer = Deliverer(settings, app.state.sessionmaker)  # webhooks: every API process delivers its share
     delivering = threading.Thread(target=deliverer.run, name="webhooks", daemon=True)
     delivering.start()
+    app.state.loop_reads = LoopReads.for_url(settings.resolved_database_url)  # this loop's own connections
     yield
+    if app.state.loop_reads is not None:
+        await app.state.loop_reads.close()
+        app.state.loop_reads = None
     sweeper.stop.set()
     deliverer.stop.set()
     deliverer.wake.set()
@@ -83,6 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
     app.state.principals = PrincipalCache(app.state.redis, f"{settings.queue_prefix}:auth:epoch")
     app.state.job_bodies = RenderedJobs()
+    app.state.loop_reads = None  # until the lifespan starts (service/api/loop_reads.py)
 
     @app.exception_handler(TrainjobsError)
     async def _trainjobs_error(_request: Request, exc: TrainjobsError) -> JSONResponse:
@@ -101,7 +108,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse(status_code=503, headers={"Retry-After": "2"},
                             content={"detail": "the database is unreachable; try again shortly"})
 
-    for unreachable in UNREACHABLE:  # an outage is the service's, not a bug: a 503 a client retries
+    # An outage is the service's, not a bug: a 503 a client retries.
+    for unreachable in (*UNREACHABLE, *LOOP_UNREACHABLE):
         app.add_exception_handler(unreachable, _database_unreachable)
 
     @app.exception_handler(Exception)

@@ -6,11 +6,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
+from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import RedisDep, SessionDep, SettingsDep
 from service.api.etag import bytes_with_etag, job_etag, not_modified
 from service.auth.deps import JobIdDep, PrincipalDep, visible_job
-from service.errors import GatewayTimeout, InvalidTransition, responses
+from service.auth.tokens import Principal
+from service.errors import GatewayTimeout, InvalidTransition, JobNotFound, responses
 from service.jobs import admission, lifecycle, queue, records, service
 from service.jobs.bodies import page_body
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
@@ -96,13 +98,30 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=responses(404))
-def read_job(job_id: str, request: Request, db: SessionDep, principal: PrincipalDep):
+async def read_job(job_id: str, request: Request, principal: PrincipalDep):
     """With an ETag: an If-None-Match that names the current one gets a 304 and no body.
 
-    The ETag is the row's version, read with the owner check: a 304 loads and renders nothing more, and a 200
-    of a version this process rendered before loads nothing more either.
+    The ETag is the row's version, read with the owner check, on the event loop (service/api/loop_reads.py):
+    a 304, or a 200 of a version this process rendered before, takes no thread and loads nothing more.
     """
-    with db:  # closed here, in this route's thread: get_db has no transaction left to end in another
+    state = request.app.state
+    if state.loop_reads is None:  # SQLite: the owner check in a session, in the threadpool
+        return await run_in_threadpool(read_job_in_session, request, job_id, principal)
+    head = await state.loop_reads.job_head(job_id) if len(job_id) <= 64 else None
+    if head is None or not (principal.is_admin or head[0] == principal.user):
+        raise JobNotFound(job_id)
+    version = head[1]
+    cached = not_modified(request, job_etag(version))
+    if cached is not None:
+        return cached
+    body = state.job_bodies.get(job_id, version)
+    if body is None:
+        body, version = await run_in_threadpool(render_job, request, job_id)
+    return bytes_with_etag(request, body, etag=job_etag(version))
+
+
+def read_job_in_session(request: Request, job_id: str, principal: Principal) -> Response:
+    with request.app.state.sessionmaker() as db:
         version = visible_job(db, job_id=job_id, principal=principal).version
         cached = not_modified(request, job_etag(version))
         if cached is not None:
@@ -110,9 +129,15 @@ def read_job(job_id: str, request: Request, db: SessionDep, principal: Principal
         body = request.app.state.job_bodies.get(job_id, version)
         if body is None:
             job = service.get(db, job_id=job_id)
-            # NOTE: the ETag of the version rendered, which a write since the owner check may have bumped
             body, version = request.app.state.job_bodies.render(job), job.version
     return bytes_with_etag(request, body, etag=job_etag(version))
+
+
+def render_job(request: Request, job_id: str) -> tuple[bytes, int]:
+    """The job's body and the version it renders (a write since the owner check may have bumped it)."""
+    with request.app.state.sessionmaker() as db:
+        job = service.get(db, job_id=job_id)
+        return request.app.state.job_bodies.render(job), job.version
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=responses(404, 409))
