@@ -181,3 +181,27 @@ def test_the_per_node_migration_makes_stored_points_node_0s_and_rebuilds_their_s
     engine.dispose()
     migrate.upgrade(url)
     assert len(blocks_of(url, job_id)) == 3
+
+
+def test_a_polled_chart_is_rendered_once_until_its_series_gain_a_point(client, settings, monkeypatch):
+    job = client.post("/v1/jobs", json=mlp_spec()).json()
+    store(settings.database_url, job["id"], [(s, "loss", 1.0 / (s + 1)) for s in range(200)])
+    store(settings.database_url, job["id"], [(s, "loss", 2.0) for s in range(3)], node_rank=1)
+    reads = []
+    thinned = metrics.read_thinned
+    monkeypatch.setattr(metrics, "read_thinned", lambda *a, **kw: reads.append(kw) or thinned(*a, **kw))
+    path, params = f"/v1/jobs/{job['id']}/metrics", {"max_points": 500}
+    first = client.get(path, params=params)
+    assert [client.get(path, params=params).content for _ in range(3)] == [first.content] * 3
+    assert len(reads) == 1  # the polls that found nothing new rendered nothing
+    assert len(client.get(path, params={"max_points": 50}).json()["series"][0]["steps"]) <= 50  # its own chart
+    node_1 = client.get(path, params={**params, "node_rank": 1}).json()
+    assert node_1["node_rank"] == 1 and node_1["series"][0]["values"] == [2.0, 2.0, 2.0]
+
+    store(settings.database_url, job["id"], [(200, "loss", 0.001)])
+    after = client.get(path, params=params).json()
+    assert after["series"][0]["steps"][-1] == 200 and after["series"][0]["values"][-1] == 0.001
+    assert after["cursor"] > first.json()["cursor"]
+    store(settings.database_url, job["id"], [(3, "loss", 9.0)], node_rank=1)  # node 1's chart changes alone
+    assert client.get(path, params={**params, "node_rank": 1}).json()["series"][0]["values"][-1] == 9.0
+    assert client.get(path, params=params).json() == after

@@ -30,6 +30,7 @@ from service.errors import TrainjobsError, responses
 from service.jobs.bodies import RenderedJobs
 from service.jobs.router import router as jobs_router
 from service.logs.router import router as logs_router
+from service.metrics.charts import RenderedCharts
 from service.metrics.router import router as metrics_router
 from service.packages.router import router as packages_router
 from service.scheduling.router import router as scheduling_router
@@ -89,6 +90,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
     app.state.principals = PrincipalCache(app.state.redis, f"{settings.queue_prefix}:auth:epoch")
     app.state.job_bodies = RenderedJobs()
+    app.state.charts = RenderedCharts()
     app.state.loop_reads = None  # until the lifespan starts (service/api/loop_reads.py)
 
     @app.exception_handler(TrainjobsError)

@@ -1,10 +1,12 @@
-"""The hottest read on the event loop: a job's owner and version (its ETag), with no thread and no session.
+"""The hottest reads on the event loop: a job's owner and version (its ETag), its series' newest points.
 
 A poll of a job is an owner check and a version: for a client that holds that version (a 304), or a body
 this process rendered for it (service/jobs/bodies.py), that is the whole request. On PostgreSQL it runs
 here, on the event loop's own autocommit psycopg connections: one round trip, where a session in the
 threadpool costs a thread's turn, SQLAlchemy's execution and a pre-ping, BEGIN and ROLLBACK around it.
-SQLite (the embedded `trainjobs up`) has none of these connections: its reads keep the threadpool.
+The same for a chart (GET .../metrics): the owner check and the newest point's id, which is the version of a
+chart this process rendered before (service/metrics/charts.py). SQLite (the embedded `trainjobs up`) has
+none of these connections: its reads keep the threadpool.
 """
 
 import asyncio
@@ -21,6 +23,10 @@ log = logging.getLogger(__name__)
 UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError)
 APPLICATION_NAME = "trainjobs-api-loop"  # in pg_stat_activity
 JOB_HEAD = "SELECT owner, version FROM jobs WHERE id = %s"
+# The owner, node 0's newest point (the event stream's cursor) and node_rank's (the version of its series): two
+# index lookups on ix_metrics_job_node_id.
+SERIES_HEAD = """SELECT owner, (SELECT max(id) FROM metrics WHERE job_id = jobs.id AND node_rank = 0),
+       (SELECT max(id) FROM metrics WHERE job_id = jobs.id AND node_rank = %s) FROM jobs WHERE id = %s"""
 
 
 class LoopReads:
@@ -42,6 +48,11 @@ class LoopReads:
     async def job_head(self, job_id: str) -> tuple[str, int] | None:
         """The job's (owner, version), or None if there is no such job."""
         return await self._fetchone(JOB_HEAD, (job_id,))
+
+    async def series_head(self, job_id: str, node_rank: int) -> tuple[str, int, int] | None:
+        """The job's (owner, node 0's newest point id, node_rank's newest point id), 0 for none; None if no job."""
+        row = await self._fetchone(SERIES_HEAD, (node_rank, job_id))
+        return None if row is None else (row[0], row[1] or 0, row[2] or 0)
 
     async def _fetchone(self, sql: str, params: tuple) -> tuple | None:
         if self._slots is None:

@@ -8,11 +8,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import INT32_MAX, SessionDep
+from service.api.deps import INT32_MAX
 from service.auth.deps import PrincipalDep, visible_job
-from service.errors import responses
+from service.auth.tokens import Principal
+from service.errors import JobNotFound, responses
 from service.metrics import service
+from service.metrics.charts import ChartKey
 from service.metrics.models import Metric
 
 
@@ -66,10 +69,9 @@ def csv_rows(factory: sessionmaker[Session], *, job_id: str, name: str | None, n
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=responses(404) | {
     200: {"content": {"text/csv": {}}, "description": "with format=csv: every stored point, one per line"}})
-def read_metrics(
+async def read_metrics(
     job_id: str,
     request: Request,
-    db: SessionDep,
     principal: PrincipalDep,
     name: Annotated[str | None, Query(max_length=64)] = None,
     after_step: Annotated[int | None, Query(ge=-1, le=INT32_MAX)] = None,
@@ -85,20 +87,53 @@ def read_metrics(
     are the job's; `node_rank=k` gives node k's, with its own step time and memory. A node that reported
     nothing (or does not exist) has no series.
     """
-    with db:  # the owner check and the reads in one session, closed in this thread (see jobs.router.read_job)
+    state = request.app.state
+    if format == "csv":
+        rank = node_rank if "node_rank" in request.query_params else None
+        await run_in_threadpool(check_visible, state.sessionmaker, job_id, principal)
+        return StreamingResponse(csv_rows(state.sessionmaker, job_id=job_id, name=name, node_rank=rank),
+                                 media_type="text/csv; charset=utf-8",
+                                 headers={"Content-Disposition": f'attachment; filename="{job_id}-metrics.csv"'})
+    key: ChartKey = (job_id, node_rank, name, after_step, max_points)
+    if state.loop_reads is None:  # SQLite: the owner check and the chart's version in a session, in the threadpool
+        body = await run_in_threadpool(chart_in_session, state, key, principal)
+    else:
+        head = await state.loop_reads.series_head(job_id, node_rank) if len(job_id) <= 64 else None
+        if head is None or not (principal.is_admin or head[0] == principal.user):
+            raise JobNotFound(job_id)
+        _, cursor, newest = head
+        body = state.charts.get(key, newest)
+        if body is None:
+            body = await run_in_threadpool(render_chart, state, key, cursor=cursor, newest=newest)
+    # NOTE: the bytes, not the model: FastAPI would dump the model, validate the dump against response_model
+    # and serialize it again (three passes over every point).
+    return Response(content=body, media_type="application/json")
+
+
+def check_visible(factory: sessionmaker[Session], job_id: str, principal: Principal) -> None:
+    with factory() as db:
         visible_job(db, job_id=job_id, principal=principal)  # someone else's job: 404
-        if format == "csv":
-            rank = node_rank if "node_rank" in request.query_params else None
-            return StreamingResponse(csv_rows(request.app.state.sessionmaker, job_id=job_id, name=name,
-                                              node_rank=rank), media_type="text/csv; charset=utf-8",
-                                     headers={"Content-Disposition": f'attachment; filename="{job_id}-metrics.csv"'})
-        cursor = service.stream_cursor(db, job_id=job_id)  # before the series: a point between them is sent twice
+
+
+def chart_in_session(state, key: ChartKey, principal: Principal) -> bytes:
+    job_id, node_rank = key[0], key[1]
+    with state.sessionmaker() as db:
+        visible_job(db, job_id=job_id, principal=principal)  # someone else's job: 404
+        cursor = service.stream_cursor(db, job_id=job_id)
+        newest = cursor if node_rank == 0 else service.newest_point(db, job_id=job_id, node_rank=node_rank)
+    body = state.charts.get(key, newest)
+    return body if body is not None else render_chart(state, key, cursor=cursor, newest=newest)
+
+
+def render_chart(state, key: ChartKey, *, cursor: int, newest: int) -> bytes:
+    """The chart, read after its cursor (a point between the two is sent twice, never lost) and kept for newest."""
+    job_id, node_rank, name, after_step, max_points = key
+    with state.sessionmaker() as db:
         if max_points is not None:
             series = service.read_thinned(db, job_id=job_id, node_rank=node_rank, max_points=max_points, name=name,
                                           after_step=after_step)
         else:
             series = service.read_series(db, job_id=job_id, node_rank=node_rank, name=name, after_step=after_step)
-        body = MetricsPublic(node_rank=node_rank, cursor=cursor, series=series).model_dump_json()
-    # NOTE: the bytes, not the model: FastAPI would dump the model, validate the dump against response_model
-    # and serialize it again (three passes over every point; a 500-point chart's largest cost in Python).
-    return Response(content=body, media_type="application/json")
+    body = MetricsPublic(node_rank=node_rank, cursor=cursor, series=series).model_dump_json().encode()
+    state.charts.put(key, newest, body)
+    return body

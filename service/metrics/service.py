@@ -49,6 +49,11 @@ def stream_cursor(db: Session, *, job_id: str) -> int:
     return db.scalar(select(func.max(Metric.id)).where(Metric.job_id == job_id, Metric.node_rank == 0)) or 0
 
 
+def newest_point(db: Session, *, job_id: str, node_rank: int) -> int:
+    """The highest metrics.id of node_rank's series, 0 for none: the version of a chart of them."""
+    return db.scalar(select(func.max(Metric.id)).where(Metric.job_id == job_id, Metric.node_rank == node_rank)) or 0
+
+
 def read_series(
     db: Session, *, job_id: str, name: str | None = None, after_step: int | None = None, node_rank: int = 0,
     names: list[str] | None = None,

@@ -1,0 +1,38 @@
+"""A chart's JSON (GET /v1/jobs/{id}/metrics) kept per API process by its query and its series' newest point:
+a dashboard polling the chart of a job that wrote nothing since reads two index entries and renders nothing.
+
+Exact because a point is never changed in place: a resumed attempt's repeated steps and a replaced usage
+sample are new rows, with higher ids, and retention deletes every point of a job at once. A chart is only
+served for the newest point id it was read after. Bounded: the least recently read charts leave first.
+"""
+
+import threading
+from collections import OrderedDict
+
+SIZE = 512  # charts (~15 kB for 3 series of 200 points; at most ~60 kB at max_points 500 ... and more series)
+
+ChartKey = tuple[str, int, str | None, int | None, int | None]  # job id, node_rank, name, after_step, max_points
+
+
+class RenderedCharts:
+    """ChartKey → (the newest point id it was read after, the bytes)."""
+
+    def __init__(self, size: int = SIZE):
+        self.size = size
+        self.entries: OrderedDict[ChartKey, tuple[int, bytes]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: ChartKey, newest: int) -> bytes | None:
+        with self.lock:
+            found = self.entries.get(key)
+            if found is None or found[0] != newest:
+                return None
+            self.entries.move_to_end(key)
+            return found[1]
+
+    def put(self, key: ChartKey, newest: int, body: bytes) -> None:
+        with self.lock:
+            self.entries[key] = (newest, body)
+            self.entries.move_to_end(key)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
