@@ -2,12 +2,14 @@
 
 from datetime import timedelta
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from service.db import make_engine, utcnow
 from service.jobs import lifecycle
+from service.jobs.models import Job
 from service.metrics import service as metrics
 from service.workers import service as workers
 from service.workers.models import Worker
@@ -140,3 +142,22 @@ def test_a_scrape_with_redis_down_still_answers_from_the_database(settings, redi
         got = scrape(c)
     assert got[("trainjobs_jobs", (("status", "queued"),))] == 1
     assert not any(name == "trainjobs_queue_depth" for name, _labels in got)
+
+
+def test_the_histograms_seconds_are_exact_on_both_databases(client, settings):
+    job_id = client.post("/v1/jobs", json=mlp_spec()).json()["id"]
+    created = utcnow() - timedelta(hours=1)
+    engine = make_engine(settings.database_url)
+    with Session(engine) as db:
+        db.execute(update(Job).where(Job.id == job_id).values(
+            status=JobStatus.SUCCEEDED.value, created_at=created, started_at=created + timedelta(seconds=7.25),
+            finished_at=created + timedelta(seconds=7.25 + 100.5)))
+        db.commit()
+    engine.dispose()
+    got = scrape(client)
+    assert got[("trainjobs_job_wait_seconds_bucket", (("le", "5.0"),))] == 0
+    assert got[("trainjobs_job_wait_seconds_bucket", (("le", "10.0"),))] == 1
+    assert got[("trainjobs_job_wait_seconds_sum", ())] == pytest.approx(7.25, abs=0.01)
+    duration = (("le", "60.0"), ("status", "succeeded")), (("le", "300.0"), ("status", "succeeded"))
+    assert [got[("trainjobs_job_duration_seconds_bucket", labels)] for labels in duration] == [0, 1]
+    assert got[("trainjobs_job_duration_seconds_sum", (("status", "succeeded"),))] == pytest.approx(100.5, abs=0.01)
