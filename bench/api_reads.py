@@ -123,16 +123,17 @@ def clean(url: str) -> None:
 
 
 @contextmanager
-def api_process(url: str, port: int, data_dir: Path, src: Path = ROOT):
-    """`trainjobs api` as a user starts it (from the source tree src); stopped (SIGTERM) at the end."""
+def api_process(url: str, port: int, data_dir: Path, src: Path = ROOT, processes: int = 1):
+    """`trainjobs api [--workers N]` as a user starts it (from the source tree src); stopped (SIGTERM) at the end."""
     env = {**os.environ, "TRAINJOBS_DATABASE_URL": url, "TRAINJOBS_REDIS_URL": redis_url(),
            "TRAINJOBS_DATA_DIR": str(data_dir), "TRAINJOBS_QUEUE_PREFIX": PREFIX,
            # 1,000 submissions of one token in a few seconds: the rate and quota limits would refuse them.
            "TRAINJOBS_SUBMIT_RATE_PER_MIN": "1000000", "TRAINJOBS_QUOTA_ACTIVE_JOBS": "1000000"}
     output = open(data_dir.parent / "api.log", "w")  # noqa: SIM115 - closed below, after the process
     env["PYTHONPATH"] = str(src)
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli.main", "api", "--port", str(port)], env=env, cwd=src,
-                            stdout=output, stderr=subprocess.STDOUT)
+    more = ["--workers", str(processes)] if processes > 1 else []
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli.main", "api", "--port", str(port), *more], env=env,
+                            cwd=src, stdout=output, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -209,6 +210,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300, help="each one-client row")
     parser.add_argument("--port", type=int, default=18500)
     parser.add_argument("--clean", action="store_true", help="delete the loaded jobs and points, then stop")
+    parser.add_argument("--api-workers", type=int, default=1, help="API processes (trainjobs api --workers N)")
     parser.add_argument("--api-src", type=Path, default=ROOT,
                         help="run the API from this source tree (an older commit's `git archive`, for a before/after)")
     args = parser.parse_args()
@@ -229,7 +231,7 @@ def main() -> None:
     print(f"stored: {stored:,} jobs, {points:,} metric points")
     user = {"Authorization": f"Bearer {secret}"}
     with tempfile.TemporaryDirectory(prefix="trainjobs-bench-") as tmp, \
-            api_process(url, args.port, Path(tmp) / "data", args.api_src) as base, \
+            api_process(url, args.port, Path(tmp) / "data", args.api_src, args.api_workers) as base, \
             httpx.Client(base_url=base, headers=user, timeout=30) as client:
         job = client.post("/v1/jobs", json=SPEC).json()
         with Session(engine) as db:  # it ran 200 steps (its ETag then holds: a queued job's pending reason moves)

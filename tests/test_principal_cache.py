@@ -5,6 +5,7 @@ import sys
 import time
 
 import httpx
+import psutil
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, update
@@ -94,3 +95,36 @@ def test_granting_a_users_right_is_seen_by_their_cached_tokens(client, settings)
     made = client.post("/v1/tokens", json={"name": "bob-ci", "user": "bob", "can_run_entrypoints": True})
     assert made.status_code == 201
     assert client.get("/v1/me", headers=bob).json()["can_run_entrypoints"] is True
+
+
+@pytest.mark.alone  # refused within 1 s
+def test_trainjobs_api_workers_2_runs_two_processes_and_a_revoked_token_leaves_both_within_1s(postgres_url, tmp_path):
+    with live_stack(postgres_url, tmp_path, name="apiw", workers=0) as stack:
+        port = free_port()
+        stack._spawn("api2", [sys.executable, "-m", "service.cli.main", "api", "--port", str(port), "--workers", "2"])
+        supervisor = stack.procs[-1][1]
+        pair = f"http://127.0.0.1:{port}"
+        stack.api_url, first = pair, stack.api_url
+        stack._wait_ready()
+        serving = [p for p in psutil.Process(supervisor.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(serving) == 2, [p.cmdline() for p in psutil.Process(supervisor.pid).children()]
+        token_id, secret = make_token(postgres_url, "bob")
+        bob = {"Authorization": f"Bearer {secret}"}
+        # A new connection each: the kernel hands each to either process, so both cache the token.
+        assert [httpx.get(f"{pair}/v1/me", headers=bob).status_code for _ in range(20)] == [200] * 20
+        assert httpx.delete(f"{first}/v1/tokens/{token_id}", headers=bob).status_code == 200
+        revoked = time.monotonic()
+        refused_since, refused_in_a_row = revoked, 0  # from the first of the refusals in a row that ends the loop
+        while refused_in_a_row < 20 and time.monotonic() - revoked < 3:
+            asked = time.monotonic()
+            if httpx.get(f"{pair}/v1/me", headers=bob).status_code == 401:
+                refused_since, refused_in_a_row = (asked, 1) if refused_in_a_row == 0 else (refused_since,
+                                                                                          refused_in_a_row + 1)
+            else:
+                refused_in_a_row = 0
+        waited = refused_since - revoked
+        print(f"both processes refused it from {waited:.3f}s on")
+        assert refused_in_a_row == 20 and waited < 1.0, f"refused by both from {waited:.2f}s on"
+        supervisor.terminate()
+        assert supervisor.wait(timeout=15) == 0
+        assert not [p for p in serving if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

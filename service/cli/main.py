@@ -163,7 +163,7 @@ def cmd_up(args, settings: Settings) -> int:
     from service.undumpable import make_undumpable
 
     make_undumpable()  # the ranks descend from this process: they must not read the new admin token from it
-    stack = Stack(settings, host=args.host, port=args.port, workers=args.workers)
+    stack = Stack(settings, host=args.host, port=args.port, workers=args.workers, api_workers=args.api_workers)
     try:
         stack.start()
     except BaseException:
@@ -199,7 +199,10 @@ def cmd_api(args, settings: Settings) -> int:
     import uvicorn
 
     check_bind(settings, args.host)
-    uvicorn.run("service.api.asgi:app", host=args.host, port=args.port)
+    # NOTE: N processes, each the whole app: reads and writes scale with them; the sweeper's pass stays one at a
+    # time (a Redis lock), each webhook delivery is claimed by one (a compare-and-set), and a revoked token
+    # leaves every process's principal cache through the epoch in Redis.
+    uvicorn.run("service.api.asgi:app", host=args.host, port=args.port, workers=args.workers)
     return 0
 
 
@@ -219,10 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--workers", type=int, default=1)
+    up.add_argument("--api-workers", type=int, default=1, choices=range(1, 65), metavar="N",
+                    help="API processes (default 1)")
     up.set_defaults(local=cmd_up)
     api = sub.add_parser("api", help="the HTTP API")
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=8000)
+    api.add_argument("--workers", type=int, default=1, choices=range(1, 65), metavar="N",
+                     help="API processes on the one port (default 1)")
     api.set_defaults(local=cmd_api)
     worker = sub.add_parser("worker", help="a worker that runs jobs from the queues")
     worker.add_argument("--burst", action="store_true", help="exit when the queues are empty")

@@ -42,8 +42,9 @@ class Stack:
     """Processes started together and stopped together (Ctrl-C or SIGTERM stops every one)."""
 
     def __init__(self, settings: Settings, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1,
-                 quiet: bool = False):
+                 quiet: bool = False, api_workers: int = 1):
         self.settings, self.host, self.port, self.workers = settings, host, port, workers
+        self.api_workers = api_workers
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.output = subprocess.DEVNULL if quiet else None
         self.api_url = f"http://{host}:{port}"
@@ -81,7 +82,7 @@ class Stack:
             self.token = self._admin_token()
         python = sys.executable
         self._spawn("api", [python, "-m", "uvicorn", "service.api.asgi:app", "--host", self.host,
-                            "--port", str(self.port), "--log-level", "warning"])
+                            "--port", str(self.port), "--log-level", "warning", "--workers", str(self.api_workers)])
         self.add_workers(self.workers)
         self._wait_ready()
 

@@ -104,15 +104,24 @@ def thin(blocks: Sequence[Summary | Row], max_points: int) -> tuple[list[int], l
     return [s for s, _ in keep], [v for _, v in keep]
 
 
-def thin_in_database(db: Session, *, job_id: str, name: str | None, max_points: int, node_rank: int = 0
+def counts(db: Session, *, job_id: str, node_rank: int = 0, name: str | None = None) -> dict[str, int]:
+    """Each series' number of blocks, by name (an index range of the primary key)."""
+    query = select(MetricBlock.name, func.count()).where(MetricBlock.job_id == job_id,
+                                                         MetricBlock.node_rank == node_rank)
+    if name is not None:
+        query = query.where(MetricBlock.name == name)
+    return dict(db.execute(query.group_by(MetricBlock.name).order_by(MetricBlock.name)).all())
+
+
+def thin_in_database(db: Session, *, job_id: str, names: list[str] | None, max_points: int, node_rank: int = 0
                      ) -> dict[str, tuple[int, list[int], list[float]]]:
-    """thin() done by the database, for every series (or `name`) of the job: per series, its number of blocks
+    """thin() done by the database, for every series (or those in `names`) of the job: per series, its number of blocks
     and the thinned steps and values. Reads each block once and returns at most max_points rows a series,
     where thin() needs every block's row fetched and walked in Python."""
     buckets = max(1, (max_points - 1) // 2)
     series = (MetricBlock.name,)
     where = [MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank]
-    where += [MetricBlock.name == name] if name is not None else []
+    where += [MetricBlock.name.in_(names)] if names is not None else []
     cumulative = func.sum(MetricBlock.points).over(partition_by=series, order_by=MetricBlock.block)
     total = func.sum(MetricBlock.points).over(partition_by=series)
     numbered = select(

@@ -89,18 +89,26 @@ def read_thinned(db: Session, *, job_id: str, max_points: int, name: str | None 
     after_step cuts, from its points); a shorter one from its points, by downsample().
     """
     buckets = (max_points - 1) // 2
-    if after_step is None and max_points >= 3:  # whole blocks only: the database thins them
-        thinned = blocks.thin_in_database(db, job_id=job_id, node_rank=node_rank, name=name, max_points=max_points)
-        if not thinned:  # NOTE: points written around insert_batch (a bulk load) have no summaries
+    if after_step is None and max_points >= 3:  # whole blocks only: the database thins the long series
+        blocks_of = blocks.counts(db, job_id=job_id, node_rank=node_rank, name=name)
+        if not blocks_of:  # NOTE: points written around insert_batch (a bulk load) have no summaries
             return thin_points(db, job_id=job_id, node_rank=node_rank, name=name, after_step=None,
                                max_points=max_points)
-        short = [series_name for series_name, (count, _, _) in thinned.items() if count < buckets]
+        long = [series_name for series_name, count in blocks_of.items() if count >= buckets]
+        thinned = blocks.thin_in_database(db, job_id=job_id, node_rank=node_rank, names=long,
+                                          max_points=max_points) if long else {}
         from_points = {entry["name"]: entry for entry in thin_points(  # every short series in one read
-            db, job_id=job_id, node_rank=node_rank, names=short, after_step=None, max_points=max_points)}
+            db, job_id=job_id, node_rank=node_rank, names=[n for n in blocks_of if n not in thinned], after_step=None,
+            max_points=max_points)}
         # NOTE: a short series whose points retention deleted (service/jobs/retention.py) draws from its
         # summaries: coarser (min, max and last per 256 steps), but still there.
-        return [from_points.get(series_name) or {"name": series_name, "steps": steps, "values": values}
-                for series_name, (_, steps, values) in thinned.items()]
+        gone = [n for n in blocks_of if n not in thinned and n not in from_points]
+        if gone:
+            thinned |= blocks.thin_in_database(db, job_id=job_id, node_rank=node_rank, names=gone,
+                                               max_points=max_points)
+        return [from_points.get(series_name) or {"name": series_name, "steps": thinned[series_name][1],
+                                                 "values": thinned[series_name][2]}
+                for series_name in blocks_of]
     query = select(MetricBlock.name, MetricBlock.block, MetricBlock.points, MetricBlock.last_step,
                    MetricBlock.last_value, MetricBlock.min_step, MetricBlock.min_value, MetricBlock.max_step,
                    MetricBlock.max_value).where(MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank)
