@@ -1,9 +1,13 @@
 """Resource limits (OWASP API4): body size 413, submission rate 429 + Retry-After, per-owner quota, bounded specs."""
 
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
+from service.auth.limits import WINDOW_S, take_rate_slot
 from tests.conftest import admin_token, mlp_spec
 from tests.helpers import count_jobs
 from tests.test_auth import make_token
@@ -93,3 +97,12 @@ def test_a_nul_byte_in_the_url_is_a_422_not_a_database_error(client, path):
 def test_a_token_name_with_a_nul_byte_is_refused(client):
     r = client.post("/v1/tokens", json={"name": "\u0000"})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "name"
+
+
+def test_requests_at_once_never_take_more_slots_than_the_rate_allows(redis):
+    key = f"ratetest:{uuid.uuid4().hex}"
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        waits = list(pool.map(lambda _: take_rate_slot(redis, key, 5), range(40)))
+    assert waits.count(None) == 5  # the check and the take are one step: no two requests took the last slot
+    assert all(0 < wait <= WINDOW_S for wait in waits if wait is not None)
+    assert redis.zcard(key) == 5 and 0 < redis.ttl(key) <= WINDOW_S + 1

@@ -54,6 +54,20 @@ def check_submission(db: Session, redis: Redis, settings: Settings, principal: P
                               retry_after_s=WINDOW_S, field="quota")
 
 
+# One round trip, atomic: requests at once cannot both take the last slot. KEYS[1] the token's window (a sorted set
+# of request ids by time); ARGV: now, window, limit, a new id. Returns -1 (taken) or the oldest entry's time.
+RATE_SLOT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], 0, ARGV[1] - ARGV[2])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return oldest[2] or ARGV[1]
+end
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
+redis.call('EXPIRE', KEYS[1], math.ceil(ARGV[2]) + 1)
+return -1
+"""
+
+
 def take_rate_slot(redis: Redis, key: str, per_minute: int) -> float | None:
     """A sliding-window log in a sorted set: None if this request may go, else seconds until a slot frees.
 
@@ -62,17 +76,9 @@ def take_rate_slot(redis: Redis, key: str, per_minute: int) -> float | None:
     """
     now = time.time()
     try:
-        pipe = redis.pipeline()
-        pipe.zremrangebyscore(key, 0, now - WINDOW_S)
-        pipe.zcard(key)
-        pipe.zrange(key, 0, 0, withscores=True)
-        _, count, oldest = pipe.execute()
-        if count >= per_minute:
-            return max(0.0, oldest[0][1] + WINDOW_S - now) if oldest else WINDOW_S
-        pipe = redis.pipeline()
-        pipe.zadd(key, {uuid.uuid4().hex: now})
-        pipe.expire(key, int(WINDOW_S) + 1)
-        pipe.execute()
+        oldest = float(redis.register_script(RATE_SLOT)(keys=[key], args=[repr(now), WINDOW_S, per_minute,
+                                                                          uuid.uuid4().hex]))
     except RedisError:
         log.warning("rate limit unavailable (Redis); letting the submission through")
-    return None
+        return None
+    return None if oldest < 0 else max(0.0, oldest + WINDOW_S - now)
