@@ -10,7 +10,7 @@ import signal
 
 import psutil
 import pytest
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, func, select, text
 
 from service.cli.stack import Stack
 from service.jobs.models import Attempt
@@ -73,6 +73,21 @@ def test_a_job_whose_worker_is_killed_finishes_on_another_resumed_from_a_checkpo
     assert processes_of(job_id) == []
 
 
+def sessions_of(url: str) -> str:
+    """What the database's sessions were doing (and who blocked whom), for a failure's message."""
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT pid, application_name, state, wait_event_type, wait_event, pg_blocking_pids(pid), "
+            "now() - xact_start, left(query, 120) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid()")).all()
+    engine.dispose()
+    return "\n".join(" | ".join(str(v) for v in row) for row in rows)
+
+
+# NOTE: alone: the sweeper must settle the lease within the wait, which a machine loaded by a parallel pass has
+# overrun twice in CI (the settle came only once the worker was woken); the sessions are printed if it happens.
+@pytest.mark.alone
 def test_a_paused_worker_finds_its_job_given_away_and_writes_nothing_after_it_wakes(stack, api, postgres_url):
     job_id = api.post("/v1/jobs", json=long_job(name="paused")).json()["id"]
     running_past(api, job_id, 600)
@@ -81,8 +96,11 @@ def test_a_paused_worker_finds_its_job_given_away_and_writes_nothing_after_it_wa
     for proc in tree:  # the whole worker stops, training included, like a frozen VM
         proc.send_signal(signal.SIGSTOP)
     try:
-        wait_for(lambda: len(attempts(api, job_id)) == 2 and attempts(api, job_id)[1]["status"] == "active",
-                 60, what="the job to move to the other worker")
+        try:
+            wait_for(lambda: len(attempts(api, job_id)) == 2 and attempts(api, job_id)[1]["status"] == "active",
+                     60, what="the job to move to the other worker")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the database's sessions:\n{sessions_of(postgres_url)}") from None
         engine = create_engine(postgres_url)
         with engine.connect() as conn:
             def written():
