@@ -6,33 +6,15 @@ sample are new rows, with higher ids, and retention deletes every point of a job
 served for the newest point id it was read after. Bounded: the least recently read charts leave first.
 """
 
-import threading
-from collections import OrderedDict
+from service.jobs.bodies import Kept
 
 SIZE = 512  # charts (~15 kB for 3 series of 200 points; at most ~60 kB at max_points 500 ... and more series)
 
 ChartKey = tuple[str, int, str | None, int | None, int | None]  # job id, node_rank, name, after_step, max_points
 
 
-class RenderedCharts:
+class RenderedCharts(Kept[ChartKey]):
     """ChartKey → (the newest point id it was read after, the bytes)."""
 
     def __init__(self, size: int = SIZE):
-        self.size = size
-        self.entries: OrderedDict[ChartKey, tuple[int, bytes]] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def get(self, key: ChartKey, newest: int) -> bytes | None:
-        with self.lock:
-            found = self.entries.get(key)
-            if found is None or found[0] != newest:
-                return None
-            self.entries.move_to_end(key)
-            return found[1]
-
-    def put(self, key: ChartKey, newest: int, body: bytes) -> None:
-        with self.lock:
-            self.entries[key] = (newest, body)
-            self.entries.move_to_end(key)
-            while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
+        super().__init__(size)
