@@ -105,6 +105,10 @@ class Settings(BaseSettings):
     min_runtime_s: float = Field(600.0, ge=0, description="a job runs this long before it may be preempted")
     reserve_after_s: float = Field(300.0, ge=0, description="a job needing several workers reserves them after "
                                    "waiting this long")
+    reserve_deadline_s: float = Field(48 * 3600.0, ge=0, description="a gang's reserved workers take a job of higher "
+                                      "priority only if it ends before the gang's queued + reserve_after_s + this")
+    max_reservations: int = Field(1, ge=1, description="gangs holding reservations at once, the oldest first (more "
+                                  "bound more gangs' waits, and delay big one-node jobs)")
     # What this worker offers, where detection is not what you want (`trainjobs worker --slots/--device/--label`).
     worker_slots: int | None = Field(None, ge=1, description="default: GPUs (cuda), else CPU cores")
     worker_device: Literal["cpu", "cuda"] | None = None  # default: cuda when nvidia-smi lists a GPU

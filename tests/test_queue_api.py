@@ -1,6 +1,12 @@
 """The fair pool's routes on both databases (no workers): the queue as each user sees it, teams, users."""
 
-from tests.conftest import mlp_spec
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+from service.api.app import create_app
+from service.workers import service as workers
+from tests.conftest import admin_token, mlp_spec
 
 
 def user(client, name: str, **fields) -> dict:
@@ -48,3 +54,24 @@ def test_only_an_admin_may_submit_a_job_that_cannot_be_preempted(client):
     r = client.post("/v1/jobs", json=mlp_spec(preemptible=False), headers=vera)
     assert r.status_code == 403 and "preemptible" in r.text
     assert client.post("/v1/jobs", json=mlp_spec(preemptible=False)).status_code == 201
+
+
+def test_the_queue_lists_a_gangs_reservation_naming_the_job_to_its_owner_only(settings, redis):
+    settings = settings.model_copy(update={"reserve_after_s": 0})
+    with TestClient(create_app(settings)) as client:
+        client.headers["Authorization"] = f"Bearer {admin_token(settings)}"
+        vera, walt = user(client, "vera"), user(client, "walt")
+        gang = mlp_spec(name="gang", resources={"nnodes": 2, "nproc_per_node": 1, "device": "cpu"})
+        gang_id = client.post("/v1/jobs", json=gang, headers=vera).json()["id"]
+        engine = create_engine(settings.resolved_database_url)
+        with Session(engine) as db:
+            for name in ("w1", "w2"):
+                workers.register(db, worker_id=name, host=name, address="10.0.0.1", device="cpu", slots=1,
+                                 memory_bytes=None, host_memory_bytes=None, labels={})
+            db.commit()
+        engine.dispose()
+        [mine] = client.get("/v1/queue", headers=vera).json()["reservations"]
+        assert (mine["job_id"], mine["workers"], mine["held"]) == (gang_id, 2, 2)
+        assert mine["fill_by"] and mine["deadline"] > mine["fill_by"]
+        [theirs] = client.get("/v1/queue", headers=walt).json()["reservations"]
+        assert theirs["job_id"] is None and theirs["workers"] == 2

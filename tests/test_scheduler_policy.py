@@ -200,9 +200,11 @@ def gang_pool(*, gang_queued: float, small_timeout_s: float, w2_live: bool = Tru
 
 def test_a_gang_waiting_past_reserve_after_reserves_the_workers_that_free_first():
     result = plan(gang_pool(gang_queued=NOW - 301, small_timeout_s=10 * 3600))
-    assert result.reservation.job_id == "gang"
-    assert sorted(result.reservation.workers) == ["w1", "w2"]
-    assert (result.reservation.held, result.reservation.fill_at) == (1, NOW + 7100)
+    [reservation] = result.reservations
+    assert reservation.job_id == "gang"
+    assert sorted(reservation.workers) == ["w1", "w2"]
+    assert (reservation.held, reservation.fill_at) == (1, NOW + 7100)
+    assert reservation.deadline == NOW - 301 + DEFAULTS.reserve_after_s + DEFAULTS.reserve_deadline_s
     assert reason(result, "gang").startswith("needs 2 nodes: reserved, 1 of 2 held")
     # The long 1-node job does not take the reserved free worker, and says why.
     assert started(result) == {}
@@ -212,21 +214,21 @@ def test_a_gang_waiting_past_reserve_after_reserves_the_workers_that_free_first(
 
 def test_a_job_that_ends_before_the_reservation_fills_backfills_a_reserved_worker():
     result = plan(gang_pool(gang_queued=NOW - 301, small_timeout_s=3600))
-    assert result.reservation.fill_at == NOW + 7100
+    assert result.reservations[0].fill_at == NOW + 7100
     assert started(result) == {"small": ["w1"]}  # it ends by NOW + 3600, before the fill
     assert reason(result, "gang").startswith("needs 2 nodes: reserved, 1 of 2 held")
 
 
 def test_before_reserve_after_a_gang_reserves_nothing():
     result = plan(gang_pool(gang_queued=NOW - 100, small_timeout_s=10 * 3600))
-    assert result.reservation is None
+    assert result.reservations == []
     assert started(result) == {"small": ["w1"]}
 
 
 def test_a_reservation_that_cannot_be_filled_is_not_made():
     # w2 is lost: one live worker cannot hold a 2-node gang, so w1 is not held for it.
     result = plan(gang_pool(gang_queued=NOW - 10_000, small_timeout_s=10 * 3600, w2_live=False))
-    assert result.reservation is None
+    assert result.reservations == []
     assert reason(result, "gang").startswith("needs 2 nodes that fit, 1 live worker(s) do")
     assert started(result) == {"small": ["w1"]}
 
@@ -396,7 +398,7 @@ def test_a_gang_over_its_quota_reserves_no_workers():
                     [node("w1", 8), node("w2", 8), node("w3", 8, "other")],
                     accounts=accounts, teams={"vision": Team(max_slots=16)})
     result = plan(snap)
-    assert result.reservation is None
+    assert result.reservations == []
     assert reason(result, "gang") == "over team quota vision: 8/16 slots in use, needs 16"
     assert started(result) == {"small": ["w1"]}
 
@@ -420,11 +422,62 @@ def test_a_victim_already_asked_to_stop_frees_a_worker_for_one_high_job_only():
     assert [(p.victim, p.for_job) for p in plan(snap).preemptions] == [("staying", "h2")]
 
 
-def test_a_high_job_is_not_held_behind_a_low_gangs_reservation():
-    snap = snapshot([waiting("gang", "alice", priority="low", slots=8, nodes=2, submitted=NOW - 400),
-                     waiting("urgent", "bob", priority="high", slots=8, submitted=NOW - 120, timeout_s=DAY)],
+def low_gang_and_a_high_job(*, gang_queued: float, high_timeout_s: float) -> Snapshot:
+    """A low 2-node gang reserved w1 (free) and w2 (a low job on it); a high 1-node job waits."""
+    return snapshot([waiting("gang", "alice", priority="low", slots=8, nodes=2, submitted=gang_queued),
+                     waiting("urgent", "bob", priority="high", slots=8, submitted=NOW - 120,
+                             timeout_s=high_timeout_s)],
                     [running("lowrun", "carol", ("w2",), priority="low", slots=8, started=NOW - 1000,
                              timeout_s=7200)],
                     [node("w1", 8), node("w2", 8, "lowrun")])
+
+
+def test_a_high_job_is_not_held_behind_a_young_low_gangs_reservation():
+    # The gang's deadline is 48 h after its reservation began: the day-long high job ends well before it.
+    result = plan(low_gang_and_a_high_job(gang_queued=NOW - 400, high_timeout_s=DAY))
+    assert [r.job_id for r in result.reservations] == ["gang"]
+    assert started(result) == {"urgent": ["w1"]}
+    assert result.preemptions == []
+
+
+def test_a_high_job_that_would_end_after_the_gangs_deadline_takes_no_reserved_worker():
+    # The gang has waited 47 h: a day-long job on its worker would push it past its deadline (48 h + 300 s),
+    # so the high job waits, and preempts nothing: the one victim it could take frees a reserved worker.
+    result = plan(low_gang_and_a_high_job(gang_queued=NOW - 47 * 3600, high_timeout_s=DAY))
+    assert started(result) == {}
+    assert result.preemptions == []
+    assert "reserved for job gang (needs 2 nodes)" in reason(result, "urgent")
+    # A high job short enough to end before the deadline still goes first.
+    result = plan(low_gang_and_a_high_job(gang_queued=NOW - 47 * 3600, high_timeout_s=3600))
+    assert started(result) == {"urgent": ["w1"]}
+
+
+def test_a_job_of_the_gangs_own_priority_only_backfills_whatever_its_timeout():
+    snap = snapshot([waiting("gang", "alice", slots=8, nodes=2, submitted=NOW - 400),
+                     waiting("peer", "bob", slots=8, submitted=NOW - 120, timeout_s=3 * 3600)],
+                    [running("busy", "carol", ("w2",), slots=8, started=NOW - 1000, timeout_s=7200)],
+                    [node("w1", 8), node("w2", 8, "busy")])
     result = plan(snap)
-    assert started(result) == {"urgent": ["w1"]} or [p.victim for p in result.preemptions] == ["lowrun"]
+    assert started(result) == {}  # 3 h ends after the fill (NOW + 6,200 s): no backfill
+    assert "reserved for job gang" in reason(result, "peer")
+
+
+def test_with_max_reservations_each_gang_reserves_its_own_workers_oldest_first():
+    # Two 2-node gangs on four workers: the older takes the two that free first, the younger the other two,
+    # and each fills on its own; a third gang finds none left and reserves nothing yet.
+    busy = [running(f"b{i}", "carol", (f"w{i}",), slots=8, started=NOW - 100, timeout_s=t)
+            for i, t in ((1, 1000.0), (2, 2000.0), (3, 3000.0))]
+    snap = snapshot([waiting("young", "alice", slots=8, nodes=2, submitted=NOW - 400),
+                     waiting("old", "bob", slots=8, nodes=2, submitted=NOW - 900),
+                     waiting("third", "dave", slots=8, nodes=2, submitted=NOW - 350)],
+                    busy, [node("w1", 8, "b1"), node("w2", 8, "b2"), node("w3", 8, "b3"), node("w4", 8)],
+                    settings=Settings(max_reservations=3))
+    result = plan(snap)
+    assert [(r.job_id, sorted(r.workers), r.held, r.fill_at) for r in result.reservations] == [
+        ("old", ["w1", "w4"], 1, NOW + 900), ("young", ["w2", "w3"], 0, NOW + 2900)]
+    assert reason(result, "old").startswith("needs 2 nodes: reserved, 1 of 2 held")
+    assert reason(result, "young").startswith("needs 2 nodes: reserved, 0 of 2 held")
+    assert not reason(result, "third").startswith("needs 2 nodes: reserved")
+    # By default only the oldest reserves.
+    default = plan(Snapshot(snap.now, snap.waiting, snap.running, snap.nodes))
+    assert [r.job_id for r in default.reservations] == ["old"]

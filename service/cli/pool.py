@@ -20,11 +20,11 @@ def cmd_queue(args, client: Client) -> int:
     console.print(f"policy {q['policy']}: {q['waiting']} waiting. You ({you['user']}{team}): "
                   f"{you['usage_device_hours']:.2f} device-hours recently (decayed), share {you['share']:.2f}; "
                   f"{q['others_waiting']} job(s) of others waiting, {q['others_ahead']} ahead of your first.")
-    if q["reservation"]:
-        r = q["reservation"]
+    for r in q["reservations"]:
         console.print(f"reservation: {r['held']} of {r['workers']} workers held"
                       + (f" for job {r['job_id']}" if r["job_id"] else " for another user's job")
-                      + (f", filled by {r['fill_by']}" if r["fill_by"] else ""))
+                      + f", filled by {r['fill_by'][:19].replace('T', ' ')}"
+                      + f" (a higher-priority job may use one if it ends by {r['deadline'][:19].replace('T', ' ')})")
     table = Table("#", "id", "name", "owner", "priority", "estimated start", "why it waits")
     for j in q["jobs"]:
         table.add_row(str(j["position"]), j["id"], j["name"], j["owner"], j["priority"],

@@ -14,11 +14,15 @@ function on a simulated month. The rules, in order:
    Policy "fifo": priority, then submission order.
 3. **Quotas**: a team's or a user's `max_slots` bounds the slots its running jobs hold at once; a job over
    it waits (never fails), whatever its place.
-4. **Reservations**: a job that needs more than one worker (a gang) and has waited `reserve_after_s` (the
-   oldest such one) reserves the fitting workers that free up first; those finish what they run and take
-   only a job whose timeout ends before the reservation is expected to be filled (backfill), or one of higher
-   priority than the job the reservation is for (priority first, always). A gang that is
-   forming (its node 0 claimed) holds the free workers it still needs the same way.
+4. **Reservations**: the oldest job that needs more than one worker (a gang) and has waited
+   `reserve_after_s` reserves the fitting workers that free up first (up to `max_reservations` gangs, the
+   oldest first, each among the workers no older one reserved). Reserved workers finish what they run,
+   then take only a job whose timeout ends before the reservation is expected to be filled (backfill), or
+   a job of higher priority than the gang whose timeout ends before the gang's deadline (queued +
+   reserve_after_s + reserve_deadline_s). So priority still comes first while a gang is young, yet no
+   later job pushes a gang past its deadline: it starts by then, unless the jobs already running on its
+   workers when it reserved them run longer (their own timeouts bound that). A gang that is forming (its
+   node 0 claimed) holds the free workers it still needs the same way.
 5. **Preemption**: a job of spec priority `high` that has waited `preempt_after_s` and that no free worker
    fits preempts running jobs of strictly lower spec priority that are preemptible and have run
    `min_runtime_s`: the fewest that free a fit, the most over their share first.
@@ -109,6 +113,8 @@ class Settings:
     preempt_after_s: float = 60.0
     min_runtime_s: float = 600.0
     reserve_after_s: float = 300.0
+    reserve_deadline_s: float = 48 * 3600.0
+    max_reservations: int = 1
 
 
 @dataclass(frozen=True)
@@ -147,14 +153,21 @@ class Reservation:
     job_id: str
     workers: list[str]
     held: int  # of them, free now
-    fill_at: float | None  # when the last of them is expected free (by timeouts): backfill must end before
+    fill_at: float  # when the last of them is expected free (by timeouts): backfill must end before
+    deadline: float  # a job of higher priority than the gang may take a reserved worker if it ends before
+    rank: int  # the gang's priority rank now
+
+    def lets(self, job: "Waiting", now: float) -> bool:
+        """Whether `job` (another one) may take one of these workers while they are reserved."""
+        ends = now + job.timeout_s
+        return ends <= self.fill_at or (PRIORITY_RANK.get(job.priority, 1) < self.rank and ends <= self.deadline)
 
 
 @dataclass
 class Plan:
     order: list[Place]
     preemptions: list[Preemption]
-    reservation: Reservation | None
+    reservations: list[Reservation]  # the oldest gang's first
     shares: dict[str, float]  # owner -> usage ÷ weight (the user's; teams' in team_shares)
     team_shares: dict[str, float]
 
@@ -308,22 +321,24 @@ def plan(snap: Snapshot) -> Plan:
                 blocked[w.id] = f"joining the forming gang of job {r.id}"
 
     places: dict[str, Place] = {}
-    reservation = _reserve(ordered, snap, fitting, free, free_by_timeout, held_user, held_team)
-    reserved_rank = -1
-    if reservation is not None:
-        job = next(j for j in ordered if j.id == reservation.job_id)
-        reserved_rank = PRIORITY_RANK.get(job.priority, 1)
+    reservations = _reserve(ordered, snap, fitting, free, free_by_timeout, held_user, held_team)
+    reserved: dict[str, Reservation] = {}  # worker -> the reservation that holds it (idle or busy)
+    mine: dict[str, Reservation] = {r.job_id: r for r in reservations}
+    by_id = {j.id: j for j in ordered}
+    for reservation in reservations:
+        job = by_id[reservation.job_id]
         if reservation.held == len(reservation.workers):
             # Filled: it starts now on its reserved workers (node 0 on any of them; the rest join the gang).
             for w in reservation.workers:
                 free.discard(w)
             places[job.id] = Place(job.id, job.owner, 0, None, list(reservation.workers), now)
             _hold(job, snap, held_user, held_team)
-        else:
-            for w in reservation.workers:
-                if w in free:
-                    free.discard(w)
-                    blocked[w] = f"reserved for job {job.id} (needs {job.need.nodes} nodes)"
+            continue
+        for w in reservation.workers:
+            reserved[w] = reservation
+            if w in free:
+                free.discard(w)
+                blocked[w] = f"reserved for job {job.id} (needs {job.need.nodes} nodes)"
 
     # Assign in order, best fit; count the jobs still waiting ahead of each one, for its reason.
     # Per set of workers that fit (jobs that compete for the same workers): the waiting ahead, by priority and by
@@ -351,14 +366,10 @@ def plan(snap: Snapshot) -> Plan:
         elif (why := _quota_block(job, snap, held_user, held_team)) is not None:
             place.reason = why
         else:
-            usable = [w for w in fits if w.id in free]
-            if reservation is not None and job.id != reservation.job_id and (
-                    (reservation.fill_at is not None and now + job.timeout_s <= reservation.fill_at)
-                    or PRIORITY_RANK.get(job.priority, 1) < reserved_rank):
-                # backfill: a reserved free worker, for a job that ends before the reservation fills; and a
-                # reservation never holds a worker from a job of higher priority than the one it is for
-                usable += [w for w in fits if w.id in reservation.workers and blocked.get(w.id, "").startswith(
-                    "reserved")]
+            # A free worker, or an idle reserved one the reservation lets this job take (backfill, or a job of
+            # higher priority that ends before the gang's deadline).
+            usable = [w for w in fits if w.id in free or (
+                w.id in reserved and w.id in blocked and job.id not in mine and reserved[w.id].lets(job, now))]
             usable.sort(key=lambda n: (n.slots, n.id))
             if len(usable) >= job.need.nodes:
                 chosen = usable[:job.need.nodes]
@@ -369,7 +380,7 @@ def plan(snap: Snapshot) -> Plan:
                 place.estimated_start = now
                 _hold(job, snap, held_user, held_team)
             else:  # it waits for workers that fit: jobs behind it that need them wait behind it
-                place.reason = _wait_reason(job, fits, free, blocked, reservation, ahead, cfg.policy)
+                place.reason = _wait_reason(job, fits, free, blocked, mine.get(job.id), ahead, cfg.policy)
                 waiting_by_fit[fit_ids]["at", job.priority] += 1
                 waiting_by_fit[fit_ids]["own", job.owner, job.priority] += 1
     for i, job in enumerate(ordered):
@@ -377,14 +388,14 @@ def plan(snap: Snapshot) -> Plan:
     order_out = [places[j.id] for j in ordered]
     _estimate(order_out, ordered, fitting, free_by_eta, now)
 
-    preemptions = _preempt(ordered, places, snap, nodes, fitting, running)
+    preemptions = _preempt(ordered, places, snap, nodes, fitting, running, reserved)
     shares = {o: u / max(snap.accounts.get(o, Account()).weight, 1e-9) for o, u in snap.usage.items()}
     team_use: dict[str, float] = defaultdict(float)
     for owner, used in snap.usage.items():
         team_use[team_of(owner, snap.accounts)] += used
     team_shares = {t: u / max(snap.teams.get(t, Team()).weight, 1e-9) for t, u in team_use.items()
                    if not t.startswith("user:")}
-    return Plan(order_out, preemptions, reservation, shares, team_shares)
+    return Plan(order_out, preemptions, reservations, shares, team_shares)
 
 
 def _hold(job: Waiting, snap: Snapshot, held_user: dict, held_team: dict) -> None:
@@ -407,7 +418,7 @@ def _quota_block(job: Waiting, snap: Snapshot, held_user: dict, held_team: dict)
 def _wait_reason(job: Waiting, fits: list[Node], free: set[str], blocked: dict[str, str],
                  reservation: Reservation | None, ahead: tuple[int, int, int], policy: str) -> str:
     higher, share, own = ahead
-    if reservation is not None and reservation.job_id == job.id:
+    if reservation is not None:
         why = f"needs {job.need.nodes} nodes: reserved, {reservation.held} of {len(reservation.workers)} held"
     else:
         busy = sum(1 for w in fits if w.id not in free and w.id not in blocked)
@@ -429,23 +440,31 @@ def _wait_reason(job: Waiting, fits: list[Node], free: set[str], blocked: dict[s
 
 
 def _reserve(ordered: list[Waiting], snap: Snapshot, fitting: _Fitting, free: set[str],
-             free_by_timeout: dict[str, float], held_user: dict, held_team: dict) -> Reservation | None:
-    """The oldest job needing several workers that has waited reserve_after_s: the fitting workers free first."""
+             free_by_timeout: dict[str, float], held_user: dict, held_team: dict) -> list[Reservation]:
+    """The jobs needing several workers that have waited reserve_after_s, oldest first, up to max_reservations:
+    each the fitting workers that free first among those an older one did not reserve."""
+    cfg = snap.settings
     big = [j for j in ordered if j.need.nodes > 1 and snap.now - j.queued >= snap.settings.reserve_after_s
            and (j.not_before is None or j.not_before <= snap.now)
            # NOTE: a gang over its quota could not start on the workers it held, and once all are free the
            # fill time is now, so nothing could backfill them: they would idle until the quota frees.
            and _quota_block(j, snap, held_user, held_team) is None]
+    out: list[Reservation] = []
+    taken: set[str] = set()
     for job in sorted(big, key=lambda j: (j.queued, j.id)):
-        fits = [n for n in fitting(job.need) if n.id in free or n.running is not None]
+        if len(out) == cfg.max_reservations:
+            break
+        fits = [n for n in fitting(job.need) if n.id not in taken and (n.id in free or n.running is not None)]
         if len(fits) < job.need.nodes:
-            continue  # cannot be filled (workers lost or too few): no reservation for it
+            continue  # cannot be filled (workers lost, too few, or older gangs hold them): none for it yet
         fits.sort(key=lambda n: (free_by_timeout[n.id], n.slots, n.id))
         chosen = fits[:job.need.nodes]
-        held = sum(1 for n in chosen if n.id in free)
-        fill_at = max(free_by_timeout[n.id] for n in chosen)
-        return Reservation(job.id, [n.id for n in chosen], held, fill_at)
-    return None
+        taken.update(n.id for n in chosen)
+        out.append(Reservation(job.id, [n.id for n in chosen], held=sum(1 for n in chosen if n.id in free),
+                               fill_at=max(free_by_timeout[n.id] for n in chosen),
+                               deadline=job.queued + cfg.reserve_after_s + cfg.reserve_deadline_s,
+                               rank=PRIORITY_RANK.get(job.priority, 1)))
+    return out
 
 
 def _estimate(order_out: list[Place], ordered: list[Waiting], fitting: _Fitting, free_at: dict[str, float],
@@ -472,7 +491,7 @@ def _estimate(order_out: list[Place], ordered: list[Waiting], fitting: _Fitting,
 
 
 def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, nodes: dict[str, Node],
-             fitting: _Fitting, running: dict[str, Running]) -> list[Preemption]:
+             fitting: _Fitting, running: dict[str, Running], reserved: dict[str, Reservation]) -> list[Preemption]:
     cfg, now = snap.settings, snap.now
     out: list[Preemption] = []
     taken: set[str] = {r.id for r in snap.running if r.preempt_requested}  # already on their way out
@@ -482,7 +501,9 @@ def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, n
         if (place.workers or job.spec_priority != "high" or now - job.queued < cfg.preempt_after_s
                 or (job.not_before is not None and job.not_before > now) or (place.reason or "").startswith("over ")):
             continue
-        fits = {n.id for n in fitting(job.need)}
+        # The workers it could take once free: a worker reserved for another job only if that reservation lets it.
+        fits = {n.id for n in fitting(job.need)
+                if n.id not in reserved or reserved[n.id].job_id == job.id or reserved[n.id].lets(job, now)}
         if len(fits) < job.need.nodes:
             continue
         # Workers that are (or are about to be) free for it: idle fitting ones, and those of victims in flight.

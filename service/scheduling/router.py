@@ -47,8 +47,10 @@ class Standing(BaseModel):
 class Reserved(BaseModel):
     job_id: str | None = Field(description="null when the job is another user's")
     workers: int
-    held: int
-    fill_by: datetime | None
+    held: int = Field(description="of them, free now (held for the job)")
+    fill_by: datetime = Field(description="when the last of them is expected free, by their jobs' timeouts")
+    deadline: datetime = Field(description="a job of higher priority takes one of these workers only if it ends "
+                                           "before this")
 
 
 class QueuePublic(BaseModel):
@@ -58,7 +60,7 @@ class QueuePublic(BaseModel):
     others_waiting: int = Field(description="queued jobs of other users, counted only")
     others_ahead: int = Field(description="of those, how many are ahead of your first waiting job")
     you: Standing
-    reservation: Reserved | None
+    reservations: list[Reserved] = Field(description="gangs that waited reserve_after_s, the oldest first")
 
 
 def _when(t: float | None) -> datetime | None:
@@ -81,11 +83,10 @@ def read_queue(db: SessionDep, settings: SettingsDep, principal: PrincipalDep) -
                    usage_device_hours=snap.usage.get(principal.user, 0.0) / HOUR,
                    share=plan.shares.get(principal.user, 0.0) / HOUR,
                    team_share=plan.team_shares.get(team, 0.0) / HOUR if account.team else None)
-    reservation = None
-    if (r := plan.reservation) is not None:
-        owner = next((j.owner for j in snap.waiting if j.id == r.job_id), None)
-        reservation = Reserved(job_id=r.job_id if admin or owner == principal.user else None,
-                               workers=len(r.workers), held=r.held, fill_by=_when(r.fill_at))
+    owners = {j.id: j.owner for j in snap.waiting}
+    reservations = [Reserved(job_id=r.job_id if admin or owners.get(r.job_id) == principal.user else None,
+                             workers=len(r.workers), held=r.held, fill_by=_when(r.fill_at),
+                             deadline=_when(r.deadline)) for r in plan.reservations]
     return QueuePublic(
         policy=settings.scheduler_policy, waiting=len(plan.order),
         jobs=[QueuedJob(position=p.position, id=p.job_id, name=names.get(p.job_id, ""), owner=p.owner,
@@ -94,7 +95,7 @@ def read_queue(db: SessionDep, settings: SettingsDep, principal: PrincipalDep) -
                         owner_usage_device_hours=snap.usage.get(p.owner, 0.0) / HOUR,
                         owner_share=plan.shares.get(p.owner, 0.0) / HOUR) for p in mine],
         others_waiting=len(others), others_ahead=sum(1 for p in others if first is None or p.position < first),
-        you=you, reservation=reservation)
+        you=you, reservations=reservations)
 
 
 class TeamBody(BaseModel):

@@ -50,7 +50,9 @@ def _seconds(t: datetime | None) -> float | None:
 
 def policy_settings(settings: Settings) -> policy.Settings:
     return policy.Settings(policy=settings.scheduler_policy, preempt_after_s=settings.preempt_after_s,
-                           min_runtime_s=settings.min_runtime_s, reserve_after_s=settings.reserve_after_s)
+                           min_runtime_s=settings.min_runtime_s, reserve_after_s=settings.reserve_after_s,
+                           reserve_deadline_s=settings.reserve_deadline_s,
+                           max_reservations=settings.max_reservations)
 
 
 def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req] | None = None) -> policy.Snapshot:

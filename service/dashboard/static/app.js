@@ -711,10 +711,11 @@ function queueView() {
       `${you.team ? `, team ${you.team}` : ""}): ${you.usage_device_hours.toFixed(2)} device-hours recently, ` +
       `share ${you.share.toFixed(2)} · ${q.others_waiting} job(s) of others waiting, ${q.others_ahead} ahead of ` +
       "your first";
-    const r = q.reservation;
-    $("queue-reservation").hidden = !r;
-    if (r) $("queue-reservation").textContent = `reservation: ${r.held} of ${r.workers} workers held for ` +
-      `${r.job_id ? `job ${r.job_id}` : "another user's job"}${r.fill_by ? `, filled by ${when(r.fill_by)}` : ""}`;
+    $("queue-reservation").hidden = q.reservations.length === 0;
+    $("queue-reservation").replaceChildren(...q.reservations.map((r) => el("div", {},
+      `reservation: ${r.held} of ${r.workers} workers held for ` +
+      `${r.job_id ? `job ${r.job_id}` : "another user's job"}, filled by ${when(r.fill_by)}, deadline ` +
+      when(r.deadline))));
     const rows = q.jobs.map((j) => el("tr", {},
       el("td", { cls: "num" }, j.position),
       el("td", {}, el("a", { href: `#/jobs/${encodeURIComponent(j.id)}` }, j.name || j.id)),
