@@ -1,9 +1,11 @@
 """Engine, sessions and the declarative base shared by every domain's models."""
 
+import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 
-from sqlalchemy import DateTime, Engine, create_engine, event
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy import DateTime, Engine, create_engine, event, text
+from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
@@ -11,6 +13,9 @@ from sqlalchemy.types import TypeDecorator
 # "the database system is starting up"; a pooled connection closed under us). Not a bug: wait and try again.
 UNREACHABLE = (OperationalError, InterfaceError)
 CONNECT_TIMEOUT_S = 5
+LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL's SQLSTATE for a lock_timeout that ran out
+
+log = logging.getLogger(__name__)
 
 
 def utcnow() -> datetime:
@@ -41,7 +46,14 @@ class Base(DeclarativeBase):
 IDLE_IN_TRANSACTION_S = 30.0  # see make_engine
 
 
-def make_engine(url: str) -> Engine:
+def session_name(name: str) -> str:
+    """`name` as PostgreSQL keeps it in application_name (printable ASCII, at most 63 bytes), so a worker's
+    sessions can be found by the name its attempts carry (end_sessions)."""
+    return "".join(c if " " <= c <= "~" else "?" for c in name)[:63]
+
+
+def make_engine(url: str, *, application_name: str | None = None) -> Engine:
+    """An engine on `url`; on PostgreSQL its sessions carry `application_name` (a worker's: its name)."""
     if url.startswith("sqlite"):
         # NOTE: API, worker and supervisor write the same file; WAL plus a busy timeout
         # turns "database is locked" into a short wait.
@@ -60,13 +72,18 @@ def make_engine(url: str) -> Engine:
     # timeout, minutes, past its lease. pool_size covers the API's 40 threadpool threads: a smaller pool closes
     # each connection past it when it is returned, so a busy API opened a PostgreSQL connection (a backend
     # process) for most requests. Connections open only as they are needed: a worker keeps its few.
-    engine = create_engine(url, pool_pre_ping=True, pool_size=40, max_overflow=10,
-                           connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+    connect_args: dict = {"connect_timeout": CONNECT_TIMEOUT_S}
+    if application_name is not None:
+        connect_args["application_name"] = session_name(application_name)
+    engine = create_engine(url, pool_pre_ping=True, pool_size=40, max_overflow=10, connect_args=connect_args)
 
     # NOTE: a process frozen inside a transaction (a paused VM, SIGSTOP) would hold its row locks for as long as
-    # it is frozen, and the sweeper, which locks a job's row to expire its lease, would wait on it as long. Our
-    # transactions are short: one left idle for IDLE_IN_TRANSACTION_S is a frozen holder, and the server ends
-    # its session (its locks go; the process, should it wake, finds its connection closed: an outage to it).
+    # it is frozen. Our transactions are short: one left idle for IDLE_IN_TRANSACTION_S is a frozen holder, and
+    # the server ends its session (its locks go; the process, should it wake, finds its connection closed: an
+    # outage to it). Not always, though: frozen inside a psycopg pipeline (executemany) its session stays
+    # `active`, and after one (psycopg sends a Flush after the Sync, which disarms the timer) `idle in
+    # transaction` with no timer running, until its next statement. So the sweeper does not count on this
+    # alone: it ends the sessions of a worker whose lease ran out that still hold its job (end_sessions).
     @event.listens_for(engine, "connect")
     def _postgres_session(dbapi_conn, _record):
         with dbapi_conn.cursor() as cur:
@@ -78,3 +95,41 @@ def make_engine(url: str) -> Engine:
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def lock_within(db: Session, wait_s: float, lock: Callable[[], object]) -> bool:
+    """Call `lock` (it runs a SELECT ... FOR UPDATE), waiting at most wait_s for another transaction's lock; False
+    if it was still held then, and the transaction goes on without it. PostgreSQL's; SQLite locks the whole file
+    on its first write instead, and waits for it as ever (its busy timeout)."""
+    if db.get_bind().dialect.name != "postgresql":
+        lock()
+        return True
+    try:
+        with db.begin_nested():  # a lock_timeout that runs out rolls back to here (and its SET LOCAL with it)
+            db.execute(text(f"SET LOCAL lock_timeout = {max(1, int(wait_s * 1000))}"))
+            lock()
+            db.execute(text("SET LOCAL lock_timeout TO DEFAULT"))
+    except OperationalError as exc:
+        if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+            raise
+        return False
+    return True
+
+
+def end_sessions(db: Session, *, name: str, began_before: datetime, wait_s: float) -> list[int]:
+    """End this database's sessions named `name` (make_engine's application_name) whose transaction began before
+    `began_before`, waiting up to wait_s for each to go: their locks go with them, their transactions roll back.
+    The pids ended; none on SQLite, which has no sessions to end."""
+    if db.get_bind().dialect.name != "postgresql":
+        return []
+    try:
+        with db.begin_nested():
+            # MATERIALIZED: the filter is applied first; pg_terminate_backend runs for the chosen sessions only.
+            return list(db.scalars(text(
+                "WITH chosen AS MATERIALIZED (SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND application_name = :name AND xact_start < :began_before AND pid <> pg_backend_pid()) "
+                "SELECT pid FROM chosen WHERE pg_terminate_backend(pid, :wait_ms)"),
+                {"name": session_name(name), "began_before": began_before, "wait_ms": max(1, int(wait_s * 1000))}))
+    except ProgrammingError as exc:  # a role that may not end them (a superuser's sessions): the lease waits
+        log.warning("could not end the sessions of %s: %s", name, exc.orig)
+        return []

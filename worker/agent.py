@@ -47,7 +47,7 @@ def worker_name() -> str:
 def run_job(job_id: str) -> dict:
     """Run one attempt of `job_id` (node 0 of it, for a gang); returns what happened (RQ keeps it as the result)."""
     settings = get_settings()
-    engine = make_engine(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url, application_name=worker_name())
     sessions = make_sessionmaker(engine)
     try:
         if _preempt_requests:  # shutting down before it began: the job stays queued (the sweeper enqueues it)
@@ -73,7 +73,7 @@ def run_job(job_id: str) -> dict:
 def run_node(job_id: str, attempt: int, node_rank: int) -> dict:
     """Join node `node_rank` of a forming gang and run it (RQ's job function for a gang's node task)."""
     settings = get_settings()
-    engine = make_engine(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url, application_name=worker_name())
     sessions = make_sessionmaker(engine)
     try:
         if _preempt_requests:

@@ -120,7 +120,7 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     os.environ["TRAINJOBS_WORKER_NAME"] = name
     offer = probe(settings, name=name)
     worker.agent.offer = offer  # each work-horse inherits it (gang endpoints, busy slots)
-    engine = make_engine(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url, application_name=name)  # the sweeper ends them if frozen
     # NOTE: a forked work-horse must never use (or close) the pooled connections it inherited.
     os.register_at_fork(after_in_child=lambda: engine.dispose(close=False))
     sessions = make_sessionmaker(engine)

@@ -25,7 +25,7 @@ from sqlalchemy import ColumnElement, func, or_, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service.db import UTCDateTime, utcnow
+from service.db import UTCDateTime, end_sessions, lock_within, utcnow
 from service.errors import InvalidTransition
 from service.jobs import retries
 from service.jobs.models import Attempt, Job
@@ -37,6 +37,8 @@ from trainjobs.spec import JobSpec
 from trainjobs.states import ALLOWED_FROM, LIVE, STOPPED_EARLY, AttemptStatus, ErrorType, JobStatus, SweepStatus
 
 log = logging.getLogger(__name__)
+SWEEP_LOCK_WAIT_S = 1.0  # how long the sweeper waits for a job's row (the worker's transactions take ms)
+END_SESSIONS_WAIT_S = 5.0  # how long it waits for a lost worker's sessions that hold it to end
 
 
 def lock_job(db: Session, job_id: str) -> Job | None:
@@ -444,6 +446,10 @@ def expire_leases(db: Session) -> list[str]:
     ).all()
     settled = []
     for job_id, number, node_rank, worker, expired, job_status, spec in rows:
+        if not take_from_lost(db, job_id=job_id, worker=worker, began_before=now):
+            log.warning("job %s attempt %s: its row stays locked though worker %s lost its lease; the next pass "
+                        "tries again", job_id, number, worker)
+            continue
         message = f"worker {worker} stopped renewing its lease ({(now - expired).total_seconds():.1f}s past expiry)"
         if job_status == JobStatus.STARTING and spec.resources.nnodes > 1:
             if release_gang(db, job_id=job_id, attempt=number, why=f"node {node_rank}: {message}"):
@@ -460,3 +466,20 @@ def expire_leases(db: Session) -> list[str]:
             log.warning("job %s attempt %s: worker %s lost; job %s", job_id, number, worker, status)
     db.commit()
     return settled
+
+
+def take_from_lost(db: Session, *, job_id: str, worker: str, began_before: datetime) -> bool:
+    """Lock the job whose lease `worker` let run out, within a bounded wait; False if it stays locked.
+
+    A holder that keeps the row past the wait is the lost worker frozen inside a transaction (paused, SIGSTOP),
+    which the server's idle timeout does not always end (service/db.py, make_engine): its sessions whose
+    transaction began before `began_before` (this pass's start) end here, and their transactions roll back, so
+    it writes nothing more; should it wake, it finds its connection closed, and then its job gone.
+    """
+    if lock_within(db, SWEEP_LOCK_WAIT_S, lambda: lock_job(db, job_id)):
+        return True
+    ended = end_sessions(db, name=worker, began_before=began_before, wait_s=END_SESSIONS_WAIT_S)
+    if ended:
+        log.warning("job %s: ended the sessions %s of worker %s, whose lease ran out holding the job", job_id, ended,
+                    worker)
+    return bool(ended) and lock_within(db, SWEEP_LOCK_WAIT_S, lambda: lock_job(db, job_id))
