@@ -1,8 +1,12 @@
 """ETags on job reads: a poller that sends If-None-Match gets 304 until the job changes."""
 
+import time
+
+from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.orm import Session
 
+from service.api.app import create_app
 from service.db import utcnow
 from service.jobs import lifecycle, records
 from service.jobs import service as jobs
@@ -10,7 +14,7 @@ from service.jobs.models import Job
 from service.jobs.schemas import JobPublic, JobsPublic
 from service.logs import service as logs
 from service.metrics import service as metrics
-from tests.conftest import mlp_spec
+from tests.conftest import admin_token, mlp_spec
 from trainjobs.spec import JobSpec
 from trainjobs.states import JobStatus
 
@@ -156,3 +160,22 @@ def test_a_job_read_after_a_change_is_the_new_body_not_the_one_kept(client):
     client.post(f"/v1/jobs/{job_id}/cancel")
     after = client.get(f"/v1/jobs/{job_id}")
     assert after.json()["status"] == "cancelled" and after.headers["etag"] != before.headers["etag"]
+
+
+def test_a_submission_answers_with_the_etag_and_the_bytes_of_the_jobs_read(settings, redis):
+    # One sweeper pass at the start, none after (it would write the pending reason: a new version).
+    settings = settings.model_copy(update={"sweep_s": 3600})
+    with TestClient(create_app(settings)) as client:
+        client.headers["Authorization"] = f"Bearer {admin_token(settings)}"
+        time.sleep(1)  # the start's pass is over
+        created = client.post("/v1/jobs", json=mlp_spec(), headers={"Idempotency-Key": "k1"})
+        assert created.status_code == 201 and created.headers["location"] == f"/v1/jobs/{created.json()['id']}"
+        assert created.headers["content-type"] == "application/json"
+        read = client.get(created.headers["location"])
+        assert read.headers["etag"] == created.headers["etag"] and read.content == created.content
+        assert JobPublic.model_validate_json(created.content).status == "queued"
+        polled = client.get(created.headers["location"], headers={"If-None-Match": created.headers["etag"]})
+        assert polled.status_code == 304
+        again = client.post("/v1/jobs", json=mlp_spec(), headers={"Idempotency-Key": "k1"})  # a retry: the same job
+        assert again.status_code == 200 and again.content == created.content
+        assert again.headers["etag"] == created.headers["etag"]

@@ -8,6 +8,7 @@ from service.db import make_engine, make_sessionmaker, utcnow
 from service.jobs import queue
 from service.jobs import service as jobs
 from service.jobs.models import Job, JobEvent
+from service.scheduling import service as scheduling
 from service.workers import fit, pending
 from service.workers import service as workers
 from service.workers.models import Worker
@@ -119,3 +120,21 @@ def test_a_job_waiting_past_the_aging_time_moves_up_one_priority(settings, redis
                           .order_by(JobEvent.id)).all()
         assert aged == ["waited over 10s: priority low → normal", "waited over 10s: priority normal → high"]
     engine.dispose()
+
+
+def test_the_sweepers_passes_read_a_queued_jobs_spec_once(settings, monkeypatch):
+    engine = make_engine(settings.resolved_database_url)
+    parsed = []
+    real = scheduling.req_of
+    monkeypatch.setattr(scheduling, "req_of", lambda spec, plan: parsed.append(spec.name) or real(spec, plan))
+    cache: dict = {}
+    with make_sessionmaker(engine)() as db:
+        for name in ("a", "b"):
+            submit(db, name=name)
+        pending.explain(db, settings, cache=cache)
+        pending.explain(db, settings, cache=cache)
+        submit(db, name="c")
+        plan = pending.explain(db, settings, cache=cache)
+    engine.dispose()
+    assert sorted(parsed) == ["a", "b", "c"]  # each once, across three passes
+    assert [p.reason for p in plan.order] == ["no live worker"] * 3

@@ -30,7 +30,6 @@ from trainjobs.states import JobStatus
 log = logging.getLogger(__name__)
 SCAN = 200  # gang node tasks looked at per pass
 SCAN_JOBS = 5000  # entries of each priority queue looked at per pass
-CACHE_MAX = 10_000  # jobs' needs remembered (a job's spec and plan never change)
 POLL_S = 0.5  # between passes while nothing fits
 
 
@@ -46,8 +45,6 @@ class Chooser:
         """The pool's plan, as this worker sees it: polling for work, it is live and free whatever its row says;
         a queued job without a queue entry (being claimed, or lost with Redis until the sweeper enqueues it
         again) is not planned, so it holds no worker."""
-        if len(self.reqs) > CACHE_MAX:
-            self.reqs.clear()
         snap = scheduling.snapshot(db, self.settings, cache=self.reqs)
         me = policy.Node(id=self.offer.id, device=self.offer.device, slots=self.offer.slots,
                          memory_bytes=self.offer.memory_bytes, labels=dict(self.offer.labels or {}))

@@ -31,11 +31,13 @@ async def get_db(request: Request) -> AsyncIterator[Session]:
             session.close()
 
 
-def get_redis(request: Request) -> Redis:
+# NOTE: async, though they do no I/O: FastAPI runs a plain `def` dependency in the threadpool, a thread hop per
+# request for an attribute read.
+async def get_redis(request: Request) -> Redis:
     return request.app.state.redis
 
 
-def get_app_settings(request: Request) -> Settings:
+async def get_app_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 

@@ -41,6 +41,7 @@ class Sweeper:
         self.last_reconcile = -float("inf")
         self.last_collect = -float("inf")
         self.collect_after: str | None = None  # a collection under way goes on after this job id
+        self.reqs: dict[str, scheduling.Req] = {}  # queued jobs' needs, parsed once (scheduling.snapshot)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -65,7 +66,7 @@ class Sweeper:
                 full = now - self.last_reconcile >= self.settings.reconcile_s
                 pending.age(db, self.redis, prefix=self.settings.queue_prefix, aging_s=self.settings.aging_s)
                 queue.reconcile(db, self.redis, prefix=self.settings.queue_prefix, min_age_s=10.0 if full else None)
-                pending.explain(db, self.settings)
+                pending.explain(db, self.settings, cache=self.reqs)
                 scheduling.fold_usage(db, half_life_s=self.settings.fair_share_half_life_s)
                 if full:
                     workers.prune(db)

@@ -65,16 +65,20 @@ def get_queue(redis: Redis, prefix: str, priority: str) -> Queue:
 
 
 def enqueue(redis: Redis, *, prefix: str, job_id: str, priority: str, timeout_s: float) -> None:
-    """Put a committed job on its priority queue; the RQ job id is our job id."""
-    get_queue(redis, prefix, priority).enqueue_call(
-        JOB_FUNCTION,
-        args=[job_id],
-        job_id=job_id,
-        timeout=int(timeout_s) + RQ_TIMEOUT_MARGIN_S,
-        result_ttl=3600,
-        failure_ttl=24 * 3600,
-        description=f"trainjobs job {job_id}",
-    )
+    """Put a committed job on its priority queue; the RQ job id is our job id. One round trip (MULTI/EXEC): RQ's
+    own enqueue takes two (the queue's name in the set of queues, then the job's hash and the push)."""
+    with redis.pipeline() as pipe:
+        get_queue(redis, prefix, priority).enqueue_call(
+            JOB_FUNCTION,
+            args=[job_id],
+            job_id=job_id,
+            timeout=int(timeout_s) + RQ_TIMEOUT_MARGIN_S,
+            result_ttl=3600,
+            failure_ttl=24 * 3600,
+            description=f"trainjobs job {job_id}",
+            pipeline=pipe,
+        )
+        pipe.execute()
 
 
 def drop(redis: Redis, *, prefix: str, job_id: str, priority: str) -> None:

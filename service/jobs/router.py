@@ -29,26 +29,29 @@ REPLAYED = {200: {"model": JobPublic, "description": "a retry with the same Idem
 
 @router.post("", status_code=201, response_model=JobPublic,
              responses=REPLAYED | responses(400, 403, 404, 409, 413, 429))
-def submit_job(spec: JobSpec, response: Response, db: SessionDep, redis: RedisDep, settings: SettingsDep,
-               principal: PrincipalDep, idempotency_key: IdempotencyKey = None):
+async def submit_job(spec: JobSpec, request: Request, db: SessionDep, redis: RedisDep, settings: SettingsDep,
+                     principal: PrincipalDep, idempotency_key: IdempotencyKey = None) -> Response:
     """Store the job, commit, then enqueue: the row is the truth, the queue entry only a hint.
 
     A retry with the same Idempotency-Key and spec answers 200 with the job the first one made and enqueues
     nothing (were that job lost from Redis, the reconciler enqueues it).
     """
-    return accept(spec, response=response, db=db, redis=redis, settings=settings, principal=principal,
-                  idempotency_key=idempotency_key)
+    return await run_in_threadpool(accept, spec, request=request, db=db, redis=redis, settings=settings,
+                                   principal=principal, idempotency_key=idempotency_key)
 
 
-def accept(spec: JobSpec, *, response: Response, db, redis, settings, principal, idempotency_key: str | None,
-           cloned_from: str | None = None) -> JobPublic:
-    """Every check of a submission, the row committed, then the queue entry (submit and clone alike)."""
-    job, created = admission.admit(spec, db=db, redis=redis, settings=settings, principal=principal,
-                                   idempotency_key=idempotency_key, cloned_from=cloned_from)
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
-    if not created:
-        response.status_code = 200
-    return JobPublic.of(job)
+def accept(spec: JobSpec, *, request: Request, db, redis, settings, principal, idempotency_key: str | None,
+           cloned_from: str | None = None) -> Response:
+    """Every check of a submission, the row committed, then the queue entry (submit and clone alike); one thread.
+
+    The body is rendered once, kept for the job's version (the client's first poll finds it) and sent as bytes,
+    with the version's ETag: FastAPI's response model would validate and encode it again."""
+    with db:  # closed in this thread
+        job, created = admission.admit(spec, db=db, redis=redis, settings=settings, principal=principal,
+                                       idempotency_key=idempotency_key, cloned_from=cloned_from)
+        body = request.app.state.job_bodies.render(job)
+    return Response(body, status_code=201 if created else 200, media_type="application/json",
+                    headers={"Location": f"/v1/jobs/{job.id}", "ETag": job_etag(job.version)})
 
 
 class CloneRequest(BaseModel):
@@ -61,13 +64,13 @@ class CloneRequest(BaseModel):
 
 @router.post("/{job_id}/clone", status_code=201, response_model=JobPublic,
              responses=REPLAYED | responses(400, 403, 404, 409, 413, 429))
-def clone_job(job_id: JobIdDep, body: CloneRequest, response: Response, db: SessionDep, redis: RedisDep,
-              settings: SettingsDep, principal: PrincipalDep, idempotency_key: IdempotencyKey = None):
+def clone_job(job_id: JobIdDep, body: CloneRequest, request: Request, db: SessionDep, redis: RedisDep,
+              settings: SettingsDep, principal: PrincipalDep, idempotency_key: IdempotencyKey = None) -> Response:
     """A new job whose spec is this one's with `set` applied (checked as a submission is); it names its source
     (`cloned_from`). The source's strategy is the one it ran with (an "auto" was resolved when it was made)."""
     source = service.get(db, job_id=job_id)
     spec = with_overrides(source.spec, body.set)
-    return accept(spec, response=response, db=db, redis=redis, settings=settings, principal=principal,
+    return accept(spec, request=request, db=db, redis=redis, settings=settings, principal=principal,
                   idempotency_key=idempotency_key, cloned_from=source.id)
 
 

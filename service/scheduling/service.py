@@ -27,6 +27,7 @@ from trainjobs.states import AttemptStatus, JobStatus
 
 log = logging.getLogger(__name__)
 MAX_WAITING = 2000  # queued jobs planned per snapshot, oldest first (the rest wait for a later pass)
+REQS_KEPT = 10_000  # jobs' needs a caller's cache remembers (a job's spec and plan never change), then it starts over
 FOLD_BATCH = 500  # closed attempts folded into usage per sweeper pass
 
 
@@ -56,8 +57,13 @@ def policy_settings(settings: Settings) -> policy.Settings:
 
 
 def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req] | None = None) -> policy.Snapshot:
-    """The pool as the policy sees it now: queued jobs, jobs holding workers, live workers, usage, accounts."""
+    """The pool as the policy sees it now: queued jobs, jobs holding workers, live workers, usage, accounts.
+
+    `cache`: the caller's, kept from one snapshot to the next (a sweeper's, a worker's), so a job's spec and plan
+    are read and parsed once, not at every pass (2,000 queued jobs: 480 of a pass's 600 ms were that)."""
     cache = {} if cache is None else cache
+    if len(cache) > REQS_KEPT:
+        cache.clear()
     now = utcnow()
     queued = db.execute(select(Job.id, Job.owner, Job.priority, Job.created_at, Job.queued_at, Job.not_before)
                         .where(Job.status == JobStatus.QUEUED).order_by(Job.created_at, Job.id)
@@ -180,7 +186,10 @@ def apply(db: Session, plan: policy.Plan) -> tuple[int, int]:
     reasons = {p.job_id: p.reason for p in plan.order}
     changed = 0
     if reasons:
-        current = dict(db.execute(select(Job.id, Job.pending_reason).where(Job.id.in_(list(reasons)))).all())
+        # The reasons stored now, of the queued jobs the snapshot planned (the same query: no IN of 2,000 ids); one
+        # queued since is missing here and keeps its reason until the next pass.
+        current = dict(db.execute(select(Job.id, Job.pending_reason).where(Job.status == JobStatus.QUEUED)
+                                  .order_by(Job.created_at, Job.id).limit(MAX_WAITING)).all())
         for job_id, reason in reasons.items():
             if reason is not None:
                 reason = reason[:1000]

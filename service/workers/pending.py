@@ -2,6 +2,7 @@
 asks for, and priority aging so `low` never starves."""
 
 import logging
+from collections.abc import MutableMapping
 from datetime import timedelta
 
 from redis import Redis
@@ -22,10 +23,11 @@ SCAN = 500  # queued jobs looked at per pass, oldest first
 UP = {"low": "normal", "normal": "high"}
 
 
-def explain(db: Session, settings: Settings) -> policy.Plan:
+def explain(db: Session, settings: Settings, cache: MutableMapping[str, scheduling.Req] | None = None) -> policy.Plan:
     """Plan the pool (service/scheduling/policy.py) and write what the sweeper owns of it: each queued job's
-    pending_reason (None once it is about to start) and the preemptions. The caller commits."""
-    plan = policy.plan(scheduling.snapshot(db, settings))
+    pending_reason (None once it is about to start) and the preemptions. The caller commits; `cache` is the
+    caller's, kept between passes (scheduling.snapshot)."""
+    plan = policy.plan(scheduling.snapshot(db, settings, cache=cache))
     scheduling.apply(db, plan)
     return plan
 
