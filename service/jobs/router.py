@@ -29,20 +29,20 @@ REPLAYED = {200: {"model": JobPublic, "description": "a retry with the same Idem
 
 @router.post("", status_code=201, response_model=JobPublic,
              responses=REPLAYED | responses(400, 403, 404, 409, 413, 429))
-async def submit_job(spec: JobSpec, request: Request, db: SessionDep, redis: RedisDep, settings: SettingsDep,
-                     principal: PrincipalDep, idempotency_key: IdempotencyKey = None) -> Response:
+def submit_job(spec: JobSpec, request: Request, db: SessionDep, redis: RedisDep, settings: SettingsDep,
+               principal: PrincipalDep, idempotency_key: IdempotencyKey = None) -> Response:
     """Store the job, commit, then enqueue: the row is the truth, the queue entry only a hint.
 
     A retry with the same Idempotency-Key and spec answers 200 with the job the first one made and enqueues
     nothing (were that job lost from Redis, the reconciler enqueues it).
     """
-    return await run_in_threadpool(accept, spec, request=request, db=db, redis=redis, settings=settings,
-                                   principal=principal, idempotency_key=idempotency_key)
+    return accept(spec, request=request, db=db, redis=redis, settings=settings, principal=principal,
+                  idempotency_key=idempotency_key)
 
 
 def accept(spec: JobSpec, *, request: Request, db, redis, settings, principal, idempotency_key: str | None,
            cloned_from: str | None = None) -> Response:
-    """Every check of a submission, the row committed, then the queue entry (submit and clone alike); one thread.
+    """Every check of a submission, the row committed, then the queue entry (submit and clone alike).
 
     The body is rendered once, kept for the job's version (the client's first poll finds it) and sent as bytes,
     with the version's ETag: FastAPI's response model would validate and encode it again."""
