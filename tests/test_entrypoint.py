@@ -231,12 +231,13 @@ def test_plain_and_reported_torchrun_scripts_run_to_success_through_the_service(
         reported = api.post("/v1/jobs", json=entry_spec(module="reported_ddp", args=["--steps", "30"])).json()
         plain, reported = wait_terminal(api, plain["id"]), wait_terminal(api, reported["id"])
 
-        assert plain["status"] == "succeeded", plain["error"]
-        assert plain["summary"] is None and plain["progress"]["total_steps"] is None
         logs = api.get(f"/v1/jobs/{plain['id']}/logs").text
+        assert plain["status"] == "succeeded", (plain["error"], logs[-3000:])  # the script's own words, if it failed
+        assert plain["summary"] is None and plain["progress"]["total_steps"] is None
         assert "step 10/30 loss" in logs and "step 30/30 loss" in logs and "plain_ddp: done" in logs
 
-        assert reported["status"] == "succeeded", reported["error"]
+        assert reported["status"] == "succeeded", (reported["error"],
+                                                   api.get(f"/v1/jobs/{reported['id']}/logs").text[-3000:])
         assert reported["progress"]["step"] == 30 and reported["progress"]["total_steps"] == 30
         assert reported["summary"]["steps"] == 30 and reported["summary"]["world_size"] == 2
         series = {s["name"]: s for s in api.get(f"/v1/jobs/{reported['id']}/metrics").json()["series"]}
