@@ -36,7 +36,7 @@ def test_module_entrypoint_runs_under_torchrun_with_its_args_and_the_scripts_dir
     plan = render(entry_spec(module="my_pkg.train", args=["--lr", "3e-4"]), scripts_dir=Path("/scripts"))
     assert plan.argv[:3] == ["/py", "-m", "torch.distributed.run"]
     assert plan.argv[plan.argv.index("--nproc-per-node") + 1] == "2"
-    assert plan.argv[-6:] == ["-m", "worker.user_main", "module", "my_pkg.train", "--lr", "3e-4"]
+    assert plan.argv[-5:] == [str(launch.USER_MAIN), "module", "my_pkg.train", "--lr", "3e-4"]
     assert "worker.train" not in plan.argv
     assert plan.env["PYTHONPATH"] == "/scripts:/site"
     assert plan.env["TRAINJOBS_JOB_ID"] == "0123456789abcdef0123"
@@ -47,7 +47,7 @@ def test_module_entrypoint_runs_under_torchrun_with_its_args_and_the_scripts_dir
 def test_script_entrypoint_runs_the_resolved_path_and_needs_one():
     spec = entry_spec(script="train.py", args=["--steps", "5"])
     plan = render(spec, scripts_dir=Path("/scripts"), entry_script=Path("/scripts/train.py"))
-    assert plan.argv[-6:] == ["-m", "worker.user_main", "script", "/scripts/train.py", "--steps", "5"]
+    assert plan.argv[-5:] == [str(launch.USER_MAIN), "script", "/scripts/train.py", "--steps", "5"]
     with pytest.raises(ValueError, match="resolve_script"):
         render(spec)
     assert render(mlp_spec(), scripts_dir=Path("/scripts")).env["PYTHONPATH"] == "/site"  # built-in: untouched

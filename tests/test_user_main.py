@@ -1,4 +1,4 @@
-"""worker.user_main: a user's script or module runs as `python PATH` / `python -m NAME` would, and ends as it would
+"""worker/user_main.py: a user's script or module runs as `python PATH` / `python -m NAME` would, and ends as it would
 (status, output, atexit, threads, files), without the interpreter teardown where torch 2.13's gloo aborts."""
 
 import subprocess
@@ -6,12 +6,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from worker.launch import USER_MAIN
 
 
-def run_user(tmp_path: Path, kind: str, target: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker.user_main", kind, target, *args], cwd=tmp_path,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+def run_user(tmp_path: Path, kind: str, target: str, *args: str, pythonpath: str = "") -> subprocess.CompletedProcess:
+    """As torchrun starts it on a rank: `python .../user_main.py ...`, in the run's folder."""
+    return subprocess.run([sys.executable, str(USER_MAIN), kind, target, *args], cwd=tmp_path,
+                          env={"PYTHONPATH": pythonpath, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
                           timeout=60)
 
 
@@ -36,9 +37,7 @@ def test_a_script_runs_as_main_with_its_args_and_its_folder_importable(tmp_path)
 def test_a_module_runs_as_python_dash_m_would(tmp_path):
     write(tmp_path / "pkg" / "__init__.py", "")
     module = write(tmp_path / "pkg" / "train.py", "import sys\nprint(__name__, sys.argv)\nsys.exit(0)\n")
-    done = subprocess.run([sys.executable, "-m", "worker.user_main", "module", "pkg.train", "--lr", "1"],
-                          cwd=tmp_path, env={"PYTHONPATH": f"{tmp_path}:{ROOT}"}, capture_output=True, text=True,
-                          timeout=60)
+    done = run_user(tmp_path, "module", "pkg.train", "--lr", "1")  # found in the working directory, as -m would
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"__main__ {[str(module), '--lr', '1']}"
 
@@ -89,7 +88,14 @@ def test_threads_atexit_handlers_and_unclosed_files_finish_before_the_exit(tmp_p
     assert (tmp_path / "thread.txt").read_text() == "joined"
 
 
+def test_a_users_own_worker_module_is_theirs_and_does_not_hide_the_launcher(tmp_path):
+    write(tmp_path / "code" / "worker.py", 'NAME = "the user\'s worker"\n')
+    script = write(tmp_path / "code" / "train.py", "import worker\nprint(worker.NAME)\n")
+    done = run_user(tmp_path, "script", str(script), pythonpath=str(tmp_path / "code"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "the user's worker\n"
+
+
 def test_without_a_kind_and_target_it_says_how_to_call_it(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "worker.user_main", "notebook.ipynb"], cwd=tmp_path,
-                          env={"PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "usage: python -m worker.user_main" in done.stderr
+    done = run_user(tmp_path, "notebook.ipynb", "")
+    assert done.returncode == 2 and "usage: python worker/user_main.py" in done.stderr

@@ -116,17 +116,23 @@ def rendezvous_argv(gang: Gang, *, run_id: str) -> list[str]:
             "--local-addr", gang.local_addr]
 
 
+USER_MAIN = Path(__file__).resolve().with_name("user_main.py")
+
+
 def target_argv(spec: JobSpec, *, run_dir: Path, entry_script: Path | None) -> list[str]:
     """What torchrun runs on every rank: the built-in runtime, or the user's module or script with its args
-    (under worker.user_main, which runs it as Python would and exits without the teardown that aborts gloo)."""
+    (under worker/user_main.py, which runs it as Python would and exits without the teardown that aborts gloo).
+
+    NOTE: user_main runs by its path, not as `-m worker.user_main`: a user's own `worker` module or package
+    (first on the path, in their folder) would hide ours."""
     entry = spec.entrypoint
     if entry is None:
         return ["-m", "worker.train", str(run_dir)]
     if entry.module is not None:
-        return ["-m", "worker.user_main", "module", entry.module, *entry.args]
+        return [str(USER_MAIN), "module", entry.module, *entry.args]
     if entry_script is None:
         raise ValueError("an entrypoint script must be resolved (resolve_script) before it is rendered")
-    return ["-m", "worker.user_main", "script", str(entry_script), *entry.args]
+    return [str(USER_MAIN), "script", str(entry_script), *entry.args]
 
 
 def check_entrypoint(spec: JobSpec, *, allowed: bool, scripts_dir: Path) -> Path | None:

@@ -1,8 +1,11 @@
 """What torchrun runs on every rank of an entrypoint job: the user's script or module, as Python would, then a
 clean exit that skips the interpreter's teardown.
 
-    python -m worker.user_main script PATH [ARGS...]
-    python -m worker.user_main module NAME [ARGS...]
+    python .../worker/user_main.py script PATH [ARGS...]
+    python .../worker/user_main.py module NAME [ARGS...]
+
+Run by its path, never `-m worker.user_main`: a user's own `worker` module would hide ours. So it imports
+nothing but the standard library (its folder is sys.path[0] until it hands the path to the user's code).
 
 The script runs as `__main__` with `python PATH` semantics (sys.argv, sys.path[0] = its folder, __file__), the
 module with `python -m NAME` semantics (runpy.run_module). After it returns (or raises, or calls sys.exit),
@@ -28,7 +31,7 @@ import runpy
 import sys
 from types import TracebackType
 
-USAGE = "usage: python -m worker.user_main (script PATH | module NAME) [ARGS...]"
+USAGE = "usage: python worker/user_main.py (script PATH | module NAME) [ARGS...]"
 
 
 def main(argv: list[str]) -> None:
@@ -45,6 +48,7 @@ def main(argv: list[str]) -> None:
             runpy.run_path(target, run_name="__main__")
         else:
             sys.argv = [target, *args]  # run_module puts the module's file in argv[0]
+            sys.path[0] = os.getcwd()  # as `python -m NAME` has it
             runpy.run_module(target, run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         code = exit_code(stop.code)
