@@ -115,3 +115,33 @@ def test_job_is_accepted_even_when_redis_is_down_and_reconciled_later(settings, 
         assert db.scalar(select(func.count()).select_from(Job)) == 1
     engine.dispose()
     assert queued_ids(redis) == [r.json()["id"]]
+
+
+def test_reconcile_drops_queue_entries_of_finished_and_unknown_jobs_and_keeps_the_rest(client, settings, redis):
+    from service.db import make_engine, make_sessionmaker
+    from service.jobs import queue
+
+    kept, cancelled = (client.post("/v1/jobs", json=mlp_spec()).json()["id"] for _ in range(2))
+    assert client.post(f"/v1/jobs/{cancelled}/cancel").json()["status"] == "cancelled"  # a queued job: at once
+    queue.enqueue(redis, prefix=QUEUE_PREFIX, job_id=cancelled, priority="normal", timeout_s=60)  # a stale hint
+    queue.enqueue(redis, prefix=QUEUE_PREFIX, job_id="f" * 20, priority="low", timeout_s=60)  # no such job
+    engine = make_engine(settings.database_url)
+    with make_sessionmaker(engine)() as db:
+        assert queue.reconcile(db, redis, prefix=QUEUE_PREFIX, min_age_s=0) == []  # kept is held already
+    engine.dispose()
+    assert queued_ids(redis) == [kept] and queued_ids(redis, "low") == []
+
+
+def test_a_submission_hands_its_parsed_needs_to_the_sweeper_of_its_process(client, settings):
+    """The sweeper's pass then finds the new job's needs kept, as it would have parsed them from the row."""
+    from service.db import make_engine, make_sessionmaker
+    from service.scheduling import service as scheduling
+
+    job_id = client.post("/v1/jobs", json=mlp_spec()).json()["id"]
+    kept = client.app.state.job_needs[job_id]
+    engine = make_engine(settings.database_url)
+    with make_sessionmaker(engine)() as db:
+        parsed: dict = {}
+        scheduling.snapshot(db, settings, cache=parsed)
+    engine.dispose()
+    assert kept == parsed[job_id]

@@ -51,7 +51,7 @@ async def lifespan(app: FastAPI):
             if tokens.bootstrap_admin(db, settings):
                 log.warning("first start: an admin token was written to %s (mode 0600)", settings.admin_token_file)
     sweeper = Sweeper(app.state.settings, app.state.sessionmaker, app.state.redis,
-                      on_collect=getattr(app.state, "count_collected", None))
+                      on_collect=getattr(app.state, "count_collected", None), needs=app.state.job_needs)
     thread = threading.Thread(target=sweeper.run, name="sweeper", daemon=True)
     thread.start()
     deliverer = Deliverer(settings, app.state.sessionmaker)  # webhooks: every API process delivers its share
@@ -90,6 +90,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
     app.state.principals = PrincipalCache(app.state.redis, f"{settings.queue_prefix}:auth:epoch")
     app.state.job_bodies = RenderedJobs()
+    app.state.job_needs = {}  # job id → scheduling.Req: put by admission, read by this process's sweeper
     app.state.charts = RenderedCharts()
     app.state.loop_reads = None  # until the lifespan starts (service/api/loop_reads.py)
 

@@ -31,7 +31,8 @@ class Sweeper:
     """Runs in a thread of the API: leases and due retries every sweep_s, the full reconcile every reconcile_s."""
 
     def __init__(self, settings: Settings, sessions: sessionmaker[Session], redis: Redis,
-                 on_collect: Callable[[retention.Collected], object] | None = None):
+                 on_collect: Callable[[retention.Collected], object] | None = None,
+                 needs: dict[str, scheduling.Req] | None = None):
         self.settings, self.sessions, self.redis = settings, sessions, redis
         self.on_collect = on_collect  # /metrics counts what retention deleted
         self.stop = threading.Event()
@@ -41,7 +42,8 @@ class Sweeper:
         self.last_reconcile = -float("inf")
         self.last_collect = -float("inf")
         self.collect_after: str | None = None  # a collection under way goes on after this job id
-        self.reqs: dict[str, scheduling.Req] = {}  # queued jobs' needs, parsed once (scheduling.snapshot)
+        # Jobs' needs, parsed once (scheduling.snapshot's cache); the API's submissions put theirs there too.
+        self.reqs: dict[str, scheduling.Req] = {} if needs is None else needs
 
     def run(self) -> None:
         while not self.stop.is_set():

@@ -2,6 +2,7 @@
 a job is made, whether submitted, cloned or a sweep's trial."""
 
 import logging
+from collections.abc import MutableMapping
 
 from redis.exceptions import RedisError
 
@@ -10,6 +11,7 @@ from service.errors import InvalidRequest, NotFound
 from service.jobs import queue, service
 from service.jobs.models import Job
 from service.packages import service as packages
+from service.scheduling import service as scheduling
 from service.workers import service as worker_rows
 from trainjobs import paths
 from trainjobs.spec import JobSpec
@@ -18,9 +20,13 @@ log = logging.getLogger(__name__)
 
 
 def admit(spec: JobSpec, *, db, redis, settings, principal, idempotency_key: str | None,
-          cloned_from: str | None = None, trial: service.Trial | None = None) -> tuple[Job, bool]:
+          cloned_from: str | None = None, trial: service.Trial | None = None,
+          needs: MutableMapping[str, scheduling.Req] | None = None) -> tuple[Job, bool]:
     """(job, created): created False when an earlier request with the same Idempotency-Key made it (then
-    nothing is enqueued: were that job lost from Redis, the reconciler enqueues it)."""
+    nothing is enqueued: were that job lost from Redis, the reconciler enqueues it).
+
+    `needs`: the process's kept needs of jobs (scheduling.snapshot's cache, app.state.job_needs): the new job's
+    is put there, from the spec in hand, so this process's sweeper does not read and parse it again."""
     owner = principal.user
     job = service.find_by_key(db, spec=spec, idempotency_key=idempotency_key, owner=owner) if idempotency_key else None
     if job is not None:
@@ -37,6 +43,8 @@ def admit(spec: JobSpec, *, db, redis, settings, principal, idempotency_key: str
                                        workers=workers, cloned_from=cloned_from, trial=trial)
     if not created:
         return job, False
+    if needs is not None:
+        needs[job.id] = scheduling.req_of(job.spec, job.plan)
     try:
         queue.enqueue(redis, prefix=settings.queue_prefix, job_id=job.id, priority=job.priority,
                       timeout_s=spec.timeout_s)

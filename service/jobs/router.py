@@ -48,7 +48,8 @@ def accept(spec: JobSpec, *, request: Request, db, redis, settings, principal, i
     with the version's ETag: FastAPI's response model would validate and encode it again."""
     with db:  # closed in this thread
         job, created = admission.admit(spec, db=db, redis=redis, settings=settings, principal=principal,
-                                       idempotency_key=idempotency_key, cloned_from=cloned_from)
+                                       idempotency_key=idempotency_key, cloned_from=cloned_from,
+                                       needs=request.app.state.job_needs)
         body = request.app.state.job_bodies.render(job)
     return Response(body, status_code=201 if created else 200, media_type="application/json",
                     headers={"Location": f"/v1/jobs/{job.id}", "ETag": job_etag(job.version)})
