@@ -98,16 +98,18 @@ def reconcile(db: Session, redis: Redis, *, prefix: str, min_age_s: float | None
     left alone: their API request may still be enqueueing them. min_age_s None: retries only (a quick pass).
     """
     now = utcnow()
-    held: dict[str, str] = {}
-    for priority in PRIORITIES:
-        held.update(dict.fromkeys(get_queue(redis, prefix, priority).get_job_ids(), priority))
     due = and_(Job.not_before.is_not(None), Job.not_before <= now)
     if min_age_s is not None:
         due = or_(due, and_(Job.not_before.is_(None), Job.queued_at <= now - timedelta(seconds=min_age_s)))
     # NOTE: ids and priorities only, the spec read for the few missing: with thousands queued (a sweep's
     # trials), whole rows (each spec parsed) and a query per queue entry made the pass seconds of CPU.
+    rows = db.execute(select(Job.id, Job.priority).where(Job.status == JobStatus.QUEUED, due)).all()
+    held: dict[str, str] = {}
+    if rows or min_age_s is not None:  # the quick pass with no retry due reads no queue
+        for priority in PRIORITIES:
+            held.update(dict.fromkeys(get_queue(redis, prefix, priority).get_job_ids(), priority))
     missing = []
-    for job_id, priority in db.execute(select(Job.id, Job.priority).where(Job.status == JobStatus.QUEUED, due)):
+    for job_id, priority in rows:
         if job_id in held or _finishing(db, redis, job_id, now):
             continue
         # A lost worker's RQ job still sits in its started registry; RQ's own cleanup would later mark
