@@ -221,24 +221,33 @@ def wrk_submissions(base: str, token: str, n: int, url: str) -> tuple[float, flo
     return rate, p50, p99, answered
 
 
-async def submissions(base: str, token: str, n: int, concurrency: int) -> tuple[float, float, float]:
-    """(submissions/s, p50 ms, p99 ms) of n POST /v1/jobs by `concurrency` tasks."""
+async def submissions(base: str, token: str, n: int, concurrency: int) -> tuple[float, float, float, int]:
+    """(submissions/s, p50 ms, p99 ms, connection errors) of n POST /v1/jobs by `concurrency` tasks.
+
+    A connection the server closed under the client (httpx's ReadError: seen in about 1 run in 5 of 1,000, on
+    this and earlier commits alike) is counted and the submission sent again, not the run abandoned."""
     took: list[float] = []
+    errors = 0
     todo = iter(range(n))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=60,
                                  limits=limits) as client:
         async def submit_some() -> None:
+            nonlocal errors
             for _ in todo:
                 started = time.perf_counter()
-                r = await client.post("/v1/jobs", json=SPEC)
+                try:
+                    r = await client.post("/v1/jobs", json=SPEC)
+                except httpx.TransportError:
+                    errors += 1
+                    r = await client.post("/v1/jobs", json=SPEC)
                 took.append(time.perf_counter() - started)
                 assert r.status_code == 201, r.text[:300]
 
         started = time.perf_counter()
         await asyncio.gather(*(submit_some() for _ in range(concurrency)))
         wall = time.perf_counter() - started
-    return n / wall, percentile(took, 0.5) * 1e3, percentile(took, 0.99) * 1e3
+    return n / wall, percentile(took, 0.5) * 1e3, percentile(took, 0.99) * 1e3, errors
 
 
 def main() -> None:
@@ -265,6 +274,8 @@ def main() -> None:
     load(url, n_jobs=args.jobs, n_points=args.points, owners=args.owners)
     engine = create_engine(url)
     with Session(engine) as db:
+        db.execute(text("DELETE FROM jobs WHERE name = :name"), {"name": SUBMITTED})  # a crashed run's, if any
+        db.commit()
         stored = db.scalar(select(func.count()).select_from(Job))
         points = db.scalar(text("SELECT count(*) FROM metrics"))
         _, secret = tokens.create(db, name="api-reads", user="user07")
@@ -318,9 +329,11 @@ def main() -> None:
         rate, p50, p99, answered = wrk_submissions(base, secret, 1000, url)
         rows.append(("1,000 submissions at 50 concurrent (wrk)", f"{rate:.0f}/s",
                      f"p50 {p50:.0f} ms, p99 {p99:.0f} ms ({answered} answered)"))
-        rate, p50, p99 = asyncio.run(submissions(base, secret, 1000, 50))
+        print("| {} | {} | {} |".format(*rows[-1]), flush=True)
+        rate, p50, p99, errors = asyncio.run(submissions(base, secret, 1000, 50))
         rows.append(("1,000 submissions at 50 concurrent (asyncio httpx)", f"{rate:.0f}/s",
-                     f"p50 {p50:.0f} ms, p99 {p99:.0f} ms (the client's CPU shares the 2 cores)"))
+                     f"p50 {p50:.0f} ms, p99 {p99:.0f} ms, {errors} connection errors (each sent again; "
+                     "the client's CPU shares the 2 cores)"))
     redis = Redis.from_url(redis_url())
     for priority in queue.PRIORITIES:
         queue.get_queue(redis, PREFIX, priority).empty()
