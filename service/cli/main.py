@@ -202,7 +202,10 @@ def cmd_api(args, settings: Settings) -> int:
     # NOTE: N processes, each the whole app: reads and writes scale with them; the sweeper's pass stays one at a
     # time (a Redis lock), each webhook delivery is claimed by one (a compare-and-set), and a revoked token
     # leaves every process's principal cache through the epoch in Redis.
-    uvicorn.run("service.api.asgi:app", host=args.host, port=args.port, workers=args.workers)
+    from service.cli.stack import KEEP_ALIVE_S
+
+    uvicorn.run("service.api.asgi:app", host=args.host, port=args.port, workers=args.workers,
+                timeout_keep_alive=KEEP_ALIVE_S)
     return 0
 
 

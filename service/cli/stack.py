@@ -18,6 +18,13 @@ from service.auth import tokens
 from service.db import make_engine, make_sessionmaker
 from service.settings import Settings, check_bind
 
+# NOTE: how long the API keeps an idle keep-alive connection: nginx's default, well past the 5 s that clients keep
+# theirs (httpx's keepalive_expiry; uvicorn's own default is also 5 s). With equal timeouts, a client may send its
+# next request on a connection in the instant the server closes it, and a server whose event loop is busy takes
+# the close before it reads the request: the client gets a reset, which a POST cannot safely retry. Seen under
+# load in bench/api_reads.py (up to 3 of 1,000 submissions).
+KEEP_ALIVE_S = 75
+
 log = logging.getLogger(__name__)
 
 
@@ -82,7 +89,8 @@ class Stack:
             self.token = self._admin_token()
         python = sys.executable
         self._spawn("api", [python, "-m", "uvicorn", "service.api.asgi:app", "--host", self.host,
-                            "--port", str(self.port), "--log-level", "warning", "--workers", str(self.api_workers)])
+                            "--port", str(self.port), "--log-level", "warning", "--workers", str(self.api_workers),
+                            "--timeout-keep-alive", str(KEEP_ALIVE_S)])
         self.add_workers(self.workers)
         self._wait_ready()
 
