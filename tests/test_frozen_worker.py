@@ -123,7 +123,7 @@ class Sweep(threading.Thread):
 
 
 @pytest.mark.parametrize("where", ["inside_pipeline", "after_pipeline"])
-@pytest.mark.alone  # see test_lost_worker's paused test
+@pytest.mark.alone  # a lease timed around a frozen process (see test_lost_worker's paused test)
 def test_a_worker_frozen_holding_its_job_loses_it_past_its_lease_and_writes_nothing(sessions, postgres_url,
                                                                                      where):
     job_id, attempt = running_job(sessions)
@@ -156,7 +156,7 @@ def test_a_worker_frozen_holding_its_job_loses_it_past_its_lease_and_writes_noth
         assert lost.error["type"] == "worker_lost" and written == 0
 
 
-@pytest.mark.alone  # see test_lost_worker's paused test
+@pytest.mark.alone  # a lease timed around a frozen process (see test_lost_worker's paused test)
 def test_a_holder_that_commits_while_the_sweeper_waits_keeps_its_session_and_its_renewal_wins(sessions,
                                                                                              postgres_url):
     job_id, attempt = running_job(sessions)

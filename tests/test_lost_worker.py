@@ -88,8 +88,8 @@ def sessions_of(url: str) -> str:
 # NOTE: the worker freezes wherever it happens to be, often inside its shipping transaction, holding the job's row
 # in a state PostgreSQL's idle timeout may not end (service/db.py): the sweeper ends that worker's sessions
 # (tests/test_frozen_worker.py pins it). Should the settle ever be late again, the sessions are printed.
-# alone: with it in the parallel pass, test_entrypoint's DDP script aborted (SIGABRT) in 2 of 2 CI runs; not yet
-# understood, so it stays where it was green.
+# alone: it times a lease running out around a stopped process (a wall-clock bound). The SIGABRT of
+# test_entrypoint's DDP script once blamed on it was torch's gloo abort at exit (worker/user_main.py).
 @pytest.mark.alone
 def test_a_paused_worker_finds_its_job_given_away_and_writes_nothing_after_it_wakes(stack, api, postgres_url):
     job_id = api.post("/v1/jobs", json=long_job(name="paused")).json()["id"]
