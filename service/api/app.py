@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from redis import Redis
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.admitter import Admitter
 from service.api.events import router as events_router
 from service.api.health import router as health_router
 from service.api.loop_reads import UNREACHABLE as LOOP_UNREACHABLE
@@ -62,6 +63,7 @@ async def lifespan(app: FastAPI):
     if app.state.loop_reads is not None:
         await app.state.loop_reads.close()
         app.state.loop_reads = None
+    app.state.admitter.close()
     sweeper.stop.set()
     deliverer.stop.set()
     deliverer.wake.set()
@@ -91,6 +93,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.principals = PrincipalCache(app.state.redis, f"{settings.queue_prefix}:auth:epoch")
     app.state.job_bodies = RenderedJobs()
     app.state.job_needs = {}  # job id → scheduling.Req: put by admission, read by this process's sweeper
+    app.state.admitter = Admitter(settings, app.state.sessionmaker, app.state.redis, app.state.job_bodies,
+                                  app.state.job_needs)  # its thread starts with the first submission
     app.state.charts = RenderedCharts()
     app.state.loop_reads = None  # until the lifespan starts (service/api/loop_reads.py)
 

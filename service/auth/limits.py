@@ -6,6 +6,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Sequence
 
 from redis import Redis
 from redis.exceptions import RedisError
@@ -34,24 +35,54 @@ class TooManyRequests(TrainjobsError):
 
 def check_submission(db: Session, redis: Redis, settings: Settings, principal: Principal, spec: JobSpec) -> None:
     """Before a new job is stored: the caller's rights, rate and quota (in that order: cheapest refusal first)."""
+    refused = check_submissions(db, redis, settings, [(principal, spec)])[0]
+    if refused is not None:
+        raise refused
+
+
+def check_rights(principal: Principal, spec: JobSpec) -> None:
     if spec.entrypoint is not None and not principal.can_run_entrypoints:
         raise Forbidden(f"user {principal.user!r} may not run their own code (can_run_entrypoints is off)",
                         field="entrypoint")
     if not spec.preemptible and principal.role != "admin":
         raise Forbidden("only an admin may submit a job with preemptible: false (a higher-priority job may "
                         "otherwise hand it back to the queue, to resume from its checkpoint)", field="preemptible")
-    if principal.token_id is not None:
-        wait = take_rate_slot(redis, f"{settings.queue_prefix}:rate:{principal.token_id}",
-                              settings.submit_rate_per_min)
+
+
+def check_submissions(db: Session, redis: Redis, settings: Settings,
+                      asked: Sequence[tuple[Principal, JobSpec]]) -> list[TrainjobsError | None]:
+    """check_submission of several submissions at once, each refusal its own (None: it may go on): the rates in
+    one Redis round trip, the quotas in one query, each submission counted with those before it here.
+
+    NOTE: one the quota let through counts against it here even if a later check refuses it (a missing
+    package, say): within one batch, the quota errs on the side of refusing."""
+    refused: list[TrainjobsError | None] = [None] * len(asked)
+    for i, (principal, spec) in enumerate(asked):
+        try:
+            check_rights(principal, spec)
+        except TrainjobsError as exc:
+            refused[i] = exc
+    rated = [i for i, (principal, _) in enumerate(asked) if refused[i] is None and principal.token_id is not None]
+    waits = take_rate_slots(redis, [f"{settings.queue_prefix}:rate:{asked[i][0].token_id}" for i in rated],
+                            settings.submit_rate_per_min)
+    for i, wait in zip(rated, waits, strict=True):
         if wait is not None:
-            raise TooManyRequests(f"more than {settings.submit_rate_per_min} submissions a minute with this token",
-                                  retry_after_s=wait)
-    active = db.scalar(select(func.count()).select_from(Job).where(Job.owner == principal.user,
-                                                                   Job.status.in_(ACTIVE)))
-    if active >= settings.quota_active_jobs:
-        raise TooManyRequests(f"quota: {principal.user!r} has {active} queued or running jobs (limit "
-                              f"{settings.quota_active_jobs}); wait for some to finish or cancel some",
-                              retry_after_s=WINDOW_S, field="quota")
+            refused[i] = TooManyRequests(f"more than {settings.submit_rate_per_min} submissions a minute with this "
+                                         "token", retry_after_s=wait)
+    owners = {principal.user for i, (principal, _) in enumerate(asked) if refused[i] is None}
+    active = dict(db.execute(select(Job.owner, func.count()).where(Job.owner.in_(owners), Job.status.in_(ACTIVE))
+                             .group_by(Job.owner)).all()) if owners else {}
+    for i, (principal, _) in enumerate(asked):
+        if refused[i] is not None:
+            continue
+        count = active.get(principal.user, 0)
+        if count >= settings.quota_active_jobs:
+            refused[i] = TooManyRequests(f"quota: {principal.user!r} has {count} queued or running jobs (limit "
+                                         f"{settings.quota_active_jobs}); wait for some to finish or cancel some",
+                                         retry_after_s=WINDOW_S, field="quota")
+        else:
+            active[principal.user] = count + 1
+    return refused
 
 
 # One round trip, atomic: requests at once cannot both take the last slot. KEYS[1] the token's window (a sorted set
@@ -69,16 +100,25 @@ return -1
 
 
 def take_rate_slot(redis: Redis, key: str, per_minute: int) -> float | None:
-    """A sliding-window log in a sorted set: None if this request may go, else seconds until a slot frees.
+    """A sliding-window log in a sorted set: None if this request may go, else seconds until a slot frees."""
+    return take_rate_slots(redis, [key], per_minute)[0]
 
-    Shared by every API process through Redis. If Redis is down the submission goes ahead: the database is
+
+def take_rate_slots(redis: Redis, keys: Sequence[str], per_minute: int) -> list[float | None]:
+    """take_rate_slot for each of keys in turn (a key may repeat), in one round trip.
+
+    Shared by every API process through Redis. If Redis is down the submissions go ahead: the database is
     the truth and the quota still holds; a lost rate limit is the smaller harm than refusing all work.
     """
+    if not keys:
+        return []
     now = time.time()
     try:
-        oldest = float(redis.register_script(RATE_SLOT)(keys=[key], args=[repr(now), WINDOW_S, per_minute,
-                                                                          uuid.uuid4().hex]))
+        with redis.pipeline(transaction=False) as pipe:
+            for key in keys:  # EVAL, not a Script's EVALSHA: a pipeline of those asks SCRIPT EXISTS first
+                pipe.eval(RATE_SLOT, 1, key, repr(now), WINDOW_S, per_minute, uuid.uuid4().hex)
+            oldest = [float(found) for found in pipe.execute()]
     except RedisError:
         log.warning("rate limit unavailable (Redis); letting the submission through")
-        return None
-    return None if oldest < 0 else max(0.0, oldest + WINDOW_S - now)
+        return [None] * len(keys)
+    return [None if found < 0 else max(0.0, found + WINDOW_S - now) for found in oldest]

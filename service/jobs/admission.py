@@ -1,57 +1,126 @@
-"""Admitting a job: every check of a submission, the row committed, then the queue entry. The one path by which
-a job is made, whether submitted, cloned or a sweep's trial."""
+"""Admitting jobs: every check of a submission, the rows committed, then the queue entries. The one path by which
+a job is made, whether submitted, cloned or a sweep's trial.
+
+Several submissions at once (the API's admitter, service/api/admitter.py) are admitted together: each check a
+round trip for all of them (the rates, the quotas, the keys, the live workers), one INSERT a table, one commit,
+one Redis round trip for their queue entries. Each still gets its own answer: one refused never harms another.
+"""
 
 import logging
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass
 
+from redis import Redis
 from redis.exceptions import RedisError
+from sqlalchemy.orm import Session
 
-from service.auth.limits import check_submission
-from service.errors import InvalidRequest, NotFound
+from service.auth.limits import check_submissions
+from service.auth.tokens import Principal
+from service.errors import IdempotencyConflict, InvalidRequest, NotFound, TrainjobsError
 from service.jobs import queue, service
 from service.jobs.models import Job
 from service.packages import service as packages
 from service.scheduling import service as scheduling
+from service.settings import Settings
 from service.workers import service as worker_rows
 from trainjobs import paths
 from trainjobs.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
+Admitted = tuple[Job, bool]  # (job, created): created False when an earlier request with its key made it
 
-def admit(spec: JobSpec, *, db, redis, settings, principal, idempotency_key: str | None,
-          cloned_from: str | None = None, trial: service.Trial | None = None,
-          needs: MutableMapping[str, scheduling.Req] | None = None) -> tuple[Job, bool]:
+
+@dataclass(frozen=True)
+class Submission:
+    spec: JobSpec
+    principal: Principal
+    idempotency_key: str | None = None
+    cloned_from: str | None = None
+    trial: service.Trial | None = None
+
+
+def admit(spec: JobSpec, *, db: Session, redis: Redis, settings: Settings, principal: Principal,
+          idempotency_key: str | None, cloned_from: str | None = None, trial: service.Trial | None = None,
+          needs: MutableMapping[str, scheduling.Req] | None = None) -> Admitted:
     """(job, created): created False when an earlier request with the same Idempotency-Key made it (then
-    nothing is enqueued: were that job lost from Redis, the reconciler enqueues it).
+    nothing is enqueued: were that job lost from Redis, the reconciler enqueues it)."""
+    outcome = admit_many([Submission(spec, principal, idempotency_key, cloned_from, trial)], db=db, redis=redis,
+                         settings=settings, needs=needs)[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
 
-    `needs`: the process's kept needs of jobs (scheduling.snapshot's cache, app.state.job_needs): the new job's
+
+def admit_many(asked: Sequence[Submission], *, db: Session, redis: Redis, settings: Settings,
+               needs: MutableMapping[str, scheduling.Req] | None = None) -> list[Admitted | Exception]:
+    """admit of each submission, in order, each answer its own: (job, created) or the error refusing it.
+
+    `needs`: the process's kept needs of jobs (scheduling.snapshot's cache, app.state.job_needs): each new job's
     is put there, from the spec in hand, so this process's sweeper does not read and parse it again."""
-    owner = principal.user
-    job = service.find_by_key(db, spec=spec, idempotency_key=idempotency_key, owner=owner) if idempotency_key else None
-    if job is not None:
-        return job, False
-    check_submission(db, redis, settings, principal, spec)
+    keys: set[tuple[str, str]] = set()
+    later = []  # a key's second submission here (a client's retry): admitted after the first, as it would be
+    for i, s in enumerate(asked):
+        key = (s.principal.user, s.idempotency_key)
+        if s.idempotency_key and key in keys:
+            later.append(i)
+        keys.add(key)
+    if later:
+        now = [i for i in range(len(asked)) if i not in set(later)]
+        answers = dict(zip(now, admit_many([asked[i] for i in now], db=db, redis=redis, settings=settings,
+                                           needs=needs), strict=True))
+        answers |= zip(later, admit_many([asked[i] for i in later], db=db, redis=redis, settings=settings,
+                                         needs=needs), strict=True)
+        return [answers[i] for i in range(len(asked))]
+
+    outcome: list[Admitted | Exception | None] = [None] * len(asked)
+    earlier = service.find_by_keys(db, {(s.principal.user, s.idempotency_key) for s in asked if s.idempotency_key})
+    for i, s in enumerate(asked):
+        job = earlier.get((s.principal.user, s.idempotency_key))
+        if job is not None:
+            outcome[i] = (job, False) if job.spec_hash == service.hash_spec(s.spec) else IdempotencyConflict(job.id)
+    todo = [i for i in range(len(asked)) if outcome[i] is None]
+    for i, refused in zip(todo, check_submissions(db, redis, settings, [(asked[i].principal, asked[i].spec)
+                                                                        for i in todo]), strict=True):
+        outcome[i] = refused
+    live_workers = None
+    new: dict[int, Job] = {}
+    for i, s in enumerate(asked):
+        if outcome[i] is not None:
+            continue
+        try:
+            check_own(db, s, settings=settings)
+            if live_workers is None and (worker_rows.needs_pip(s.spec) or worker_rows.plans_against_workers(s.spec)):
+                live_workers = worker_rows.live(db, lost_after_s=settings.lease_s)
+            worker_rows.check_pip(s.spec, live_workers=live_workers or [])
+            memory = worker_rows.memory_of(live_workers) if worker_rows.plans_against_workers(s.spec) else []
+            new[i] = service.new_job(s.spec, owner=s.principal.user, workers=memory, idempotency_key=s.idempotency_key,
+                                     cloned_from=s.cloned_from, trial=s.trial)
+        except TrainjobsError as exc:
+            outcome[i] = exc
+    for i, stored in zip(new, service.store(db, list(new.values())), strict=True):
+        outcome[i] = stored
+    created = [o[0] for o in outcome if isinstance(o, tuple) and o[1]]
+    if needs is not None:
+        for job in created:
+            needs[job.id] = scheduling.req_of(job.spec, job.plan)
+    try:
+        queue.enqueue_many(redis, prefix=settings.queue_prefix, jobs=[(j.id, j.priority, j.spec.timeout_s)
+                                                                      for j in created])
+    except RedisError:
+        # Accepted all the same: the sweeper's reconcile pass enqueues them once Redis is back.
+        log.exception("enqueue of jobs %s failed; the reconciler will retry", [j.id for j in created])
+    return outcome
+
+
+def check_own(db: Session, s: Submission, *, settings: Settings) -> None:
+    """What only this submission's own spec asks: its package, its data file, the job it starts from."""
+    spec = s.spec
     if spec.entrypoint is not None and spec.entrypoint.package is not None:  # the owner's own, or a 404
-        packages.get(db, owner=owner, digest=spec.entrypoint.package, field="entrypoint.package")
+        packages.get(db, owner=s.principal.user, digest=spec.entrypoint.package, field="entrypoint.package")
     service.check_inputs(spec, data_dir=settings.data_dir)
     if spec.init_from is not None:
-        check_init_from(db, spec, principal=principal, storage_dir=settings.resolved_storage_dir)
-    worker_rows.check_pip(db, spec=spec, lost_after_s=settings.lease_s)
-    workers = worker_rows.memory_for(db, spec=spec, lost_after_s=settings.lease_s)
-    job, created = service.create_once(db, spec=spec, idempotency_key=idempotency_key, owner=owner,
-                                       workers=workers, cloned_from=cloned_from, trial=trial)
-    if not created:
-        return job, False
-    if needs is not None:
-        needs[job.id] = scheduling.req_of(job.spec, job.plan)
-    try:
-        queue.enqueue(redis, prefix=settings.queue_prefix, job_id=job.id, priority=job.priority,
-                      timeout_s=spec.timeout_s)
-    except RedisError:
-        # Accepted all the same: the sweeper's reconcile pass enqueues it once Redis is back.
-        log.exception("enqueue of job %s failed; the reconciler will retry", job.id)
-    return job, True
+        check_init_from(db, spec, principal=s.principal, storage_dir=settings.resolved_storage_dir)
 
 
 def check_init_from(db, spec: JobSpec, *, principal, storage_dir) -> None:

@@ -1,6 +1,7 @@
 """The only module that talks to RQ: enqueue, drop, reconcile with the database."""
 
 import logging
+from collections.abc import Sequence
 from datetime import timedelta
 
 from redis import Redis
@@ -66,19 +67,27 @@ def get_queue(redis: Redis, prefix: str, priority: str) -> Queue:
 
 
 def enqueue(redis: Redis, *, prefix: str, job_id: str, priority: str, timeout_s: float) -> None:
-    """Put a committed job on its priority queue; the RQ job id is our job id. One round trip (MULTI/EXEC): RQ's
-    own enqueue takes two (the queue's name in the set of queues, then the job's hash and the push)."""
+    """Put a committed job on its priority queue; the RQ job id is our job id."""
+    enqueue_many(redis, prefix=prefix, jobs=[(job_id, priority, timeout_s)])
+
+
+def enqueue_many(redis: Redis, *, prefix: str, jobs: Sequence[tuple[str, str, float]]) -> None:
+    """enqueue of each (job id, priority, timeout_s), in one round trip (MULTI/EXEC): RQ's own enqueue takes two
+    a job (the queue's name in the set of queues, then the job's hash and the push)."""
+    if not jobs:
+        return
     with redis.pipeline() as pipe:
-        get_queue(redis, prefix, priority).enqueue_call(
-            JOB_FUNCTION,
-            args=[job_id],
-            job_id=job_id,
-            timeout=int(timeout_s) + RQ_TIMEOUT_MARGIN_S,
-            result_ttl=3600,
-            failure_ttl=24 * 3600,
-            description=f"trainjobs job {job_id}",
-            pipeline=pipe,
-        )
+        for job_id, priority, timeout_s in jobs:
+            get_queue(redis, prefix, priority).enqueue_call(
+                JOB_FUNCTION,
+                args=[job_id],
+                job_id=job_id,
+                timeout=int(timeout_s) + RQ_TIMEOUT_MARGIN_S,
+                result_ttl=3600,
+                failure_ttl=24 * 3600,
+                description=f"trainjobs job {job_id}",
+                pipeline=pipe,
+            )
         pipe.execute()
 
 

@@ -29,30 +29,34 @@ REPLAYED = {200: {"model": JobPublic, "description": "a retry with the same Idem
 
 @router.post("", status_code=201, response_model=JobPublic,
              responses=REPLAYED | responses(400, 403, 404, 409, 413, 429))
-def submit_job(spec: JobSpec, request: Request, db: SessionDep, redis: RedisDep, settings: SettingsDep,
-               principal: PrincipalDep, idempotency_key: IdempotencyKey = None) -> Response:
+async def submit_job(spec: JobSpec, request: Request, principal: PrincipalDep,
+                     idempotency_key: IdempotencyKey = None) -> Response:
     """Store the job, commit, then enqueue: the row is the truth, the queue entry only a hint.
 
     A retry with the same Idempotency-Key and spec answers 200 with the job the first one made and enqueues
-    nothing (were that job lost from Redis, the reconciler enqueues it).
+    nothing (were that job lost from Redis, the reconciler enqueues it). Concurrent submissions are admitted
+    together (service/api/admitter.py).
     """
-    return accept(spec, request=request, db=db, redis=redis, settings=settings, principal=principal,
-                  idempotency_key=idempotency_key)
+    answer = await request.app.state.admitter.admit(admission.Submission(spec, principal, idempotency_key))
+    return created(answer.job_id, answer.version, answer.body, answer.created)
+
+
+def created(job_id: str, version: int, body: bytes, new: bool) -> Response:
+    """A submission's answer: the body is rendered once, kept for the job's version (the client's first poll finds
+    it) and sent as bytes, with the version's ETag: FastAPI's response model would validate and encode it again."""
+    return Response(body, status_code=201 if new else 200, media_type="application/json",
+                    headers={"Location": f"/v1/jobs/{job_id}", "ETag": job_etag(version)})
 
 
 def accept(spec: JobSpec, *, request: Request, db, redis, settings, principal, idempotency_key: str | None,
            cloned_from: str | None = None) -> Response:
-    """Every check of a submission, the row committed, then the queue entry (submit and clone alike).
-
-    The body is rendered once, kept for the job's version (the client's first poll finds it) and sent as bytes,
-    with the version's ETag: FastAPI's response model would validate and encode it again."""
+    """Every check of a submission, the row committed, then the queue entry (a clone: one at a time)."""
     with db:  # closed in this thread
-        job, created = admission.admit(spec, db=db, redis=redis, settings=settings, principal=principal,
-                                       idempotency_key=idempotency_key, cloned_from=cloned_from,
-                                       needs=request.app.state.job_needs)
+        job, new = admission.admit(spec, db=db, redis=redis, settings=settings, principal=principal,
+                                   idempotency_key=idempotency_key, cloned_from=cloned_from,
+                                   needs=request.app.state.job_needs)
         body = request.app.state.job_bodies.render(job)
-    return Response(body, status_code=201 if created else 200, media_type="application/json",
-                    headers={"Location": f"/v1/jobs/{job.id}", "ETag": job_etag(job.version)})
+    return created(job.id, job.version, body, new)
 
 
 class CloneRequest(BaseModel):

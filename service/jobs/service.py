@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Row, select
+from sqlalchemy import Row, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -55,9 +55,9 @@ class Trial:
     params: dict[str, Any]
 
 
-def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: Sequence[WorkerMemory] = (),
-           idempotency_key: str | None = None, cloned_from: str | None = None, trial: Trial | None = None) -> Job:
-    """Insert a queued job (the caller commits, then enqueues).
+def new_job(spec: JobSpec, *, owner: str = DEFAULT_OWNER, workers: Sequence[WorkerMemory] = (),
+            idempotency_key: str | None = None, cloned_from: str | None = None, trial: Trial | None = None) -> Job:
+    """A queued job, not yet stored (add stores it).
 
     A job with a model gets a memory plan (against the live workers' memory); strategy "auto" is stored as
     the plan's choice, so a worker never sees "auto", or refused (422) when nothing fits.
@@ -65,7 +65,7 @@ def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: S
     spec_hash = hash_spec(spec)
     spec, plan = memory_plan.resolve(spec, workers)
     now = utcnow()
-    job = Job(
+    return Job(
         id=new_job_id(),
         owner=owner,
         name=spec.name,
@@ -85,12 +85,28 @@ def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: S
         sweep_trial=trial.index if trial else None,
         sweep_params=trial.params if trial else None,
     )
-    db.add(job)
+
+
+def add(db: Session, jobs: Sequence[Job]) -> None:
+    """Insert new jobs, their tags and their first event: one INSERT a table however many jobs (the caller
+    commits, then enqueues)."""
+    db.add_all(jobs)
     db.flush()
-    db.add_all(JobTag(job_id=job.id, tag=tag) for tag in dict.fromkeys(spec.tags))
-    detail = f"cloned from {cloned_from}" if cloned_from else "submitted"
-    record_event(db, job_id=job.id, kind=JobStatus.QUEUED,
-                 detail=f"trial {trial.index} of sweep {trial.sweep_id}" if trial else detail)
+    db.add_all(JobTag(job_id=job.id, tag=tag) for job in jobs for tag in dict.fromkeys(job.spec.tags))
+    for job in jobs:
+        if job.sweep_id is not None:
+            detail = f"trial {job.sweep_trial} of sweep {job.sweep_id}"
+        else:
+            detail = f"cloned from {job.cloned_from}" if job.cloned_from else "submitted"
+        record_event(db, job_id=job.id, kind=JobStatus.QUEUED, detail=detail)
+
+
+def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: Sequence[WorkerMemory] = (),
+           idempotency_key: str | None = None, cloned_from: str | None = None, trial: Trial | None = None) -> Job:
+    """Insert a queued job (new_job, then add; the caller commits, then enqueues)."""
+    job = new_job(spec, owner=owner, workers=workers, idempotency_key=idempotency_key, cloned_from=cloned_from,
+                  trial=trial)
+    add(db, [job])
     return job
 
 
@@ -102,25 +118,52 @@ def find_by_key(db: Session, *, spec: JobSpec, idempotency_key: str, owner: str 
     return job
 
 
-def create_once(db: Session, *, spec: JobSpec, idempotency_key: str | None, owner: str = DEFAULT_OWNER,
-                workers: Sequence[WorkerMemory] = (), cloned_from: str | None = None,
-                trial: Trial | None = None) -> tuple[Job, bool]:
-    """Create and commit a job; (job, False) when a concurrent request with the same key committed first.
+def find_by_keys(db: Session, keys: Collection[tuple[str, str]]) -> dict[tuple[str, str], Job]:
+    """(owner, idempotency key) → the job an earlier submission with that key made, for those that exist (one
+    query)."""
+    if not keys:
+        return {}
+    found = db.scalars(select(Job).where(tuple_(Job.owner, Job.idempotency_key).in_(list(keys))))
+    return {(job.owner, job.idempotency_key): job for job in found}
 
-    The unique (owner, idempotency_key) decides the race: the loser's INSERT fails, it rolls back and answers
-    with the winner's job, so concurrent duplicates make exactly one job.
+
+def store(db: Session, jobs: Sequence[Job]) -> list[tuple[Job, bool] | Exception]:
+    """Insert and commit new jobs (all in one transaction), each as (job, True), or (the other job, False) where
+    a concurrent request with the same key committed first.
+
+    The unique (owner, idempotency_key) decides that race: the loser's INSERT fails. Then the transaction rolls
+    back and the jobs are stored one at a time: each loser answers with the winner's job (or its 409, when the
+    winner carried another spec), so concurrent duplicates make exactly one job.
     """
     try:
-        job = create(db, spec=spec, owner=owner, workers=workers, idempotency_key=idempotency_key,
-                     cloned_from=cloned_from, trial=trial)
+        add(db, jobs)
         db.commit()
-    except IntegrityError:
+        return [(job, True) for job in jobs]
+    except IntegrityError as exc:
         db.rollback()
-        existing = find_by_key(db, spec=spec, idempotency_key=idempotency_key, owner=owner) if idempotency_key else None
-        if existing is None:
-            raise
-        return existing, False
-    return job, True
+        if len(jobs) == 1:
+            return [_winner(db, jobs[0], exc)]
+    stored: list[tuple[Job, bool] | Exception] = []
+    for job in jobs:
+        try:
+            add(db, [job])
+            db.commit()
+            stored.append((job, True))
+        except IntegrityError as exc:
+            db.rollback()
+            stored.append(_winner(db, job, exc))
+    return stored
+
+
+def _winner(db: Session, job: Job, lost: IntegrityError) -> tuple[Job, bool] | Exception:
+    """The job that made `job`'s INSERT fail on its idempotency key, or what else failed it."""
+    existing = db.scalar(select(Job).where(Job.owner == job.owner, Job.idempotency_key == job.idempotency_key)
+                         ) if job.idempotency_key else None
+    if existing is None:
+        return lost
+    if existing.spec_hash != job.spec_hash:
+        return IdempotencyConflict(existing.id)
+    return existing, False
 
 
 def get(db: Session, *, job_id: str) -> Job:

@@ -10,7 +10,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from service.auth.models import User
@@ -190,11 +190,15 @@ def apply(db: Session, plan: policy.Plan) -> tuple[int, int]:
         # queued since is missing here and keeps its reason until the next pass.
         current = dict(db.execute(select(Job.id, Job.pending_reason).where(Job.status == JobStatus.QUEUED)
                                   .order_by(Job.created_at, Job.id).limit(MAX_WAITING)).all())
+        changes = []
         for job_id, reason in reasons.items():
             if reason is not None:
                 reason = reason[:1000]
             if current.get(job_id, reason) != reason:
-                changed += db.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED)
-                                      .values(pending_reason=reason)).rowcount
+                changes.append({"b_job": job_id, "b_reason": reason})
+        if changes:  # one statement, executed for each (a burst of submissions: hundreds of new reasons a pass)
+            jobs = Job.__table__
+            changed = db.execute(update(jobs).where(jobs.c.id == bindparam("b_job"), jobs.c.status == JobStatus.QUEUED)
+                                 .values(pending_reason=bindparam("b_reason")), changes).rowcount
     preempted = sum(request_preemption(db, p) for p in plan.preemptions)
     return changed, preempted

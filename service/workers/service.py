@@ -1,5 +1,6 @@
 """Workers in the database: register, heartbeat, occupy and release, list (the database is the truth)."""
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy import case, delete, select, update
@@ -76,29 +77,38 @@ def prune(db: Session, *, older_than_s: float = PRUNE_AFTER_S) -> int:
 
 def live_memory(db: Session, *, lost_after_s: float) -> list[WorkerMemory]:
     """Every worker heard from within lost_after_s, as the planner sees it (from the workers table)."""
+    return memory_of(live(db, lost_after_s=lost_after_s))
+
+
+def memory_of(workers: Sequence[Worker]) -> list[WorkerMemory]:
     return [WorkerMemory(device="cuda" if w.device == "cuda" else "cpu",
                          gpu_count=w.slots if w.device == "cuda" else 0,
                          gpu_memory_bytes=w.memory_bytes if w.device == "cuda" else None,
                          host_memory_bytes=w.host_memory_bytes)
-            for w in live(db, lost_after_s=lost_after_s)]
+            for w in workers]
+
+
+def plans_against_workers(spec: JobSpec) -> bool:
+    """Whether the job's memory plan needs the live workers: a model to plan and no gpu_memory_gb in the spec."""
+    return spec.model is not None and not spec.resources.gpu_memory_gb
 
 
 def memory_for(db: Session, *, spec: JobSpec, lost_after_s: float) -> list[WorkerMemory]:
-    """The live workers, when the plan needs them: a model to plan and no gpu_memory_gb in the spec."""
-    if spec.model is None or spec.resources.gpu_memory_gb:
-        return []
-    return live_memory(db, lost_after_s=lost_after_s)
+    """The live workers, when the plan needs them (plans_against_workers)."""
+    return live_memory(db, lost_after_s=lost_after_s) if plans_against_workers(spec) else []
 
 
-def check_pip(db: Session, *, spec: JobSpec, lost_after_s: float) -> None:
+def needs_pip(spec: JobSpec) -> bool:
+    return fit.need_of(spec, None).pip
+
+
+def check_pip(spec: JobSpec, *, live_workers: Sequence[Worker]) -> None:
     """A job with requirements needs a live worker that installs them (TRAINJOBS_ALLOW_PIP), else a 422 now.
 
     Once accepted, it waits in the queue like any job no worker fits, with a pending_reason, should those
     workers go away before it runs.
     """
-    if not fit.need_of(spec, None).pip:
-        return
-    if not any((w.labels or {}).get(fit.PIP_LABEL) == "true" for w in live(db, lost_after_s=lost_after_s)):
+    if needs_pip(spec) and not any((w.labels or {}).get(fit.PIP_LABEL) == "true" for w in live_workers):
         raise InvalidRequest("no live worker installs a job's requirements: an operator starts one with "
                              "TRAINJOBS_ALLOW_PIP=1 and TRAINJOBS_ALLOW_ENTRYPOINTS=1 (or ship the dependencies "
                              "in the package, or drop entrypoint.requirements)", field="entrypoint.requirements")
