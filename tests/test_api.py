@@ -145,3 +145,17 @@ def test_a_submission_hands_its_parsed_needs_to_the_sweeper_of_its_process(clien
         scheduling.snapshot(db, settings, cache=parsed)
     engine.dispose()
     assert kept == parsed[job_id]
+
+
+def test_the_served_app_freezes_its_startup_heap_out_of_the_collectors_sight(tmp_path):
+    """`uvicorn service.api.asgi:app` (trainjobs api, up, compose): the modules and the app, most of the heap, are
+    frozen (gc.freeze), so the cyclic collector's full passes under load stop walking them (bench/README.md)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRAINJOBS_DATABASE_URL": f"sqlite:///{tmp_path}/db.sqlite",
+           "TRAINJOBS_DATA_DIR": str(tmp_path / "data")}
+    out = subprocess.run([sys.executable, "-c", "import gc, service.api.asgi; print(gc.get_freeze_count())"],
+                         env=env, capture_output=True, text=True, check=True, timeout=60).stdout
+    assert int(out) > 10_000
