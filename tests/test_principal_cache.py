@@ -128,3 +128,32 @@ def test_trainjobs_api_workers_2_runs_two_processes_and_a_revoked_token_leaves_b
         supervisor.terminate()
         assert supervisor.wait(timeout=15) == 0
         assert not [p for p in serving if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_requests_that_find_the_epoch_due_share_one_refresh_and_a_cancelled_one_leaves_it_running(redis):
+    """Under load every request in flight found the epoch due at once: each read it itself, a herd of threadpool
+    turns every CHECK_EVERY_S. Now one reads it and the rest wait for that read."""
+    import asyncio
+    import threading
+
+    cache = principal_cache.PrincipalCache(redis, "test:auth:epoch")
+    reads, release = [], threading.Event()
+    refresh = cache.refresh
+
+    def slow_refresh():
+        reads.append(1)
+        release.wait(5)
+        refresh()
+
+    cache.refresh = slow_refresh
+
+    async def many():
+        waiting = [asyncio.ensure_future(cache.refresh_once()) for _ in range(20)]
+        await asyncio.sleep(0.1)
+        waiting[0].cancel()  # a client gone: the others' refresh goes on
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(*waiting[1:])
+
+    asyncio.run(many())
+    assert len(reads) == 1 and not cache.due() and cache.usable

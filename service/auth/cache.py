@@ -7,6 +7,7 @@ request path, and drops its whole cache when it changed. Without Redis the cache
 authenticates against the database) until Redis answers again: a revocation is never missed for an outage.
 """
 
+import asyncio
 import logging
 import secrets
 import threading
@@ -16,6 +17,7 @@ from datetime import datetime
 
 from redis import Redis
 from redis.exceptions import RedisError
+from starlette.concurrency import run_in_threadpool
 
 from service.auth.tokens import Principal
 from service.db import utcnow
@@ -39,10 +41,20 @@ class PrincipalCache:
         self.usable = False
         self.next_check = 0.0
         self.lock = threading.Lock()
+        self.refreshing: tuple[asyncio.AbstractEventLoop, asyncio.Task] | None = None
 
     def due(self) -> bool:
         """Whether the epoch must be read before the cache is used (then call refresh, which may block)."""
         return self.clock() >= self.next_check
+
+    async def refresh_once(self) -> None:
+        """refresh, from the event loop, once for all the requests that find it due meanwhile: the first runs it
+        in the threadpool, the rest wait for that one. (Each its own, 50 connections made a herd of threads
+        every CHECK_EVERY_S, each with its Redis GET: the tail of the reads' latency, bench/README.md.)"""
+        loop = asyncio.get_running_loop()
+        if self.refreshing is None or self.refreshing[0] is not loop or self.refreshing[1].done():
+            self.refreshing = (loop, loop.create_task(run_in_threadpool(self.refresh)))
+        await asyncio.shield(self.refreshing[1])  # a request cancelled does not cancel the others' refresh
 
     def refresh(self) -> None:
         """Read the epoch (a blocking Redis GET); a new one drops every entry."""

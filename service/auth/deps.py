@@ -48,7 +48,7 @@ async def current_principal(request: Request) -> Principal:
         raise Unauthorized("missing bearer token: send Authorization: Bearer <token>")
     cache = request.app.state.principals
     if cache.due():
-        await run_in_threadpool(cache.refresh)
+        await cache.refresh_once()
     digest = hash_secret(secret)
     principal, generation = cache.get(digest)
     if principal is None:
