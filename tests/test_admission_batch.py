@@ -133,3 +133,23 @@ def test_a_batch_that_fails_whole_answers_each_submission_with_the_error(setting
     admitter.close()
     assert [type(a) for a in answers] == [ConnectionError] * 3
     engine.dispose()
+
+
+def test_a_bug_one_spec_trips_fails_that_submission_alone(settings, redis, monkeypatch):
+    engine, factory = sessions(settings)
+    real = jobs.new_job
+
+    def new_job(spec, **kw):
+        if spec.name == "boom":
+            raise RuntimeError("a bug")
+        return real(spec, **kw)
+
+    monkeypatch.setattr(jobs, "new_job", new_job)
+    with factory() as db:
+        before, boom, after = admission.admit_many([admission.Submission(spec(), ALICE),
+                                                    admission.Submission(spec(name="boom"), ALICE),
+                                                    admission.Submission(spec(), BOB)],
+                                                   db=db, redis=redis, settings=settings)
+    assert isinstance(boom, RuntimeError) and before[1] is True and after[1] is True
+    assert sorted(queued_ids(redis, prefix=QUEUE_PREFIX)) == sorted([before[0].id, after[0].id])
+    engine.dispose()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from redis import Redis
 from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from service.auth.limits import check_submissions
@@ -97,6 +98,11 @@ def admit_many(asked: Sequence[Submission], *, db: Session, redis: Redis, settin
             new[i] = service.new_job(s.spec, owner=s.principal.user, workers=memory, idempotency_key=s.idempotency_key,
                                      cloned_from=s.cloned_from, trial=s.trial)
         except TrainjobsError as exc:
+            outcome[i] = exc
+        except SQLAlchemyError:
+            raise  # the database's: the batch's
+        except Exception as exc:  # noqa: BLE001 - a bug one spec trips: that submission's 500, not its batch's
+            log.exception("admitting a submission of %s failed", s.principal.user)
             outcome[i] = exc
     for i, stored in zip(new, service.store(db, list(new.values())), strict=True):
         outcome[i] = stored
