@@ -157,3 +157,31 @@ def test_requests_that_find_the_epoch_due_share_one_refresh_and_a_cancelled_one_
 
     asyncio.run(many())
     assert len(reads) == 1 and not cache.due() and cache.usable
+
+
+def test_requests_with_one_token_that_miss_the_cache_at_once_share_one_database_read(redis):
+    """An API just started and 50 clients polling: each request read the token in the database in its own
+    thread. Now the first reads it and the rest of that generation wait for it; one after a drop reads anew."""
+    import asyncio
+    import threading
+
+    cache = principal_cache.PrincipalCache(redis, "test:auth:epoch")
+    reads, release = [], threading.Event()
+    alice = tokens.Principal(user="alice", role="user", token_id=1, can_run_entrypoints=False)
+
+    def authenticate():
+        reads.append(1)
+        release.wait(5)
+        return alice
+
+    async def many():
+        waiting = [asyncio.ensure_future(cache.authenticate_once("d", 0, authenticate)) for _ in range(20)]
+        await asyncio.sleep(0.1)
+        waiting[0].cancel()
+        after_drop = asyncio.ensure_future(cache.authenticate_once("d", 1, authenticate))
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(*waiting[1:], after_drop)
+
+    assert asyncio.run(many()) == [alice] * 20
+    assert len(reads) == 2 and cache.authenticating == {}

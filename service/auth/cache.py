@@ -42,6 +42,7 @@ class PrincipalCache:
         self.next_check = 0.0
         self.lock = threading.Lock()
         self.refreshing: tuple[asyncio.AbstractEventLoop, asyncio.Task] | None = None
+        self.authenticating: dict[tuple[str, int], asyncio.Task] = {}  # (token hash, generation) → its read
 
     def due(self) -> bool:
         """Whether the epoch must be read before the cache is used (then call refresh, which may block)."""
@@ -55,6 +56,21 @@ class PrincipalCache:
         if self.refreshing is None or self.refreshing[0] is not loop or self.refreshing[1].done():
             self.refreshing = (loop, loop.create_task(run_in_threadpool(self.refresh)))
         await asyncio.shield(self.refreshing[1])  # a request cancelled does not cancel the others' refresh
+
+    async def authenticate_once(self, digest: str, generation: int,
+                                authenticate: Callable[[], Principal | None]) -> Principal | None:
+        """authenticate() in the threadpool, once for all the requests with this token that miss the cache at once
+        (an API just started, 50 clients polling: each its own database read, a herd of threads at the first
+        requests). Only requests of one generation share a read: one that began after a drop reads anew."""
+        loop = asyncio.get_running_loop()
+        key = (digest, generation)
+        task = self.authenticating.get(key)
+        if task is None or task.done() or task.get_loop() is not loop:
+            task = loop.create_task(run_in_threadpool(authenticate))
+            self.authenticating[key] = task
+            task.add_done_callback(lambda done: self.authenticating.pop(key, None)
+                                   if self.authenticating.get(key) is done else None)
+        return await asyncio.shield(task)  # a request cancelled does not cancel the others' read
 
     def refresh(self) -> None:
         """Read the epoch (a blocking Redis GET); a new one drops every entry."""

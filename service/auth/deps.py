@@ -6,7 +6,6 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy import Row, select
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.concurrency import run_in_threadpool
 
 from service.auth.tokens import ADMIN_USER, Principal, authenticate, hash_secret
 from service.errors import Forbidden, JobNotFound, TrainjobsError
@@ -52,7 +51,8 @@ async def current_principal(request: Request) -> Principal:
     digest = hash_secret(secret)
     principal, generation = cache.get(digest)
     if principal is None:
-        principal = await run_in_threadpool(authenticate_in_session, request.app.state.sessionmaker, secret)
+        principal = await cache.authenticate_once(
+            digest, generation, lambda: authenticate_in_session(request.app.state.sessionmaker, secret))
         if principal is None:
             raise Unauthorized("invalid, revoked or expired token")
         cache.put(digest, principal, principal.expires_at, generation)
