@@ -67,7 +67,7 @@ def admit_many(asked: Sequence[Submission], *, db: Session, redis: Redis, settin
             later.append(i)
         keys.add(key)
     if later:
-        now = [i for i in range(len(asked)) if i not in set(later)]
+        now = sorted(set(range(len(asked))) - set(later))
         answers = dict(zip(now, admit_many([asked[i] for i in now], db=db, redis=redis, settings=settings,
                                            needs=needs), strict=True))
         answers |= zip(later, admit_many([asked[i] for i in later], db=db, redis=redis, settings=settings,

@@ -110,14 +110,6 @@ def create(db: Session, *, spec: JobSpec, owner: str = DEFAULT_OWNER, workers: S
     return job
 
 
-def find_by_key(db: Session, *, spec: JobSpec, idempotency_key: str, owner: str = DEFAULT_OWNER) -> Job | None:
-    """The job an earlier submission with this key made, or None; a 409 when that one carried another spec."""
-    job = db.scalar(select(Job).where(Job.owner == owner, Job.idempotency_key == idempotency_key))
-    if job is not None and job.spec_hash != hash_spec(spec):
-        raise IdempotencyConflict(job.id)
-    return job
-
-
 def find_by_keys(db: Session, keys: Collection[tuple[str, str]]) -> dict[tuple[str, str], Job]:
     """(owner, idempotency key) → the job an earlier submission with that key made, for those that exist (one
     query)."""
