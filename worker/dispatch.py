@@ -6,6 +6,10 @@ the pool (service/scheduling/policy.py: priority, fair share, quotas, reservatio
 the database and removes, with LREM, the entry of the first job assigned to it: LREM's count says which worker
 won it. A job no worker may take now stays on its queue and queued; the sweeper writes why (pending_reason).
 The claim's compare-and-set in the database still decides who runs it.
+
+An entry is only a hint, and anything that reached Redis may have written it: a stale entry (its job no longer
+queued, or no job at all) is removed, never run, and an entry that names anything but the service's two job
+functions with the arguments the service writes is removed and logged as a security event (queue.refusal).
 """
 
 import dataclasses
@@ -20,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE
 from service.jobs import service as jobs
-from service.jobs.queue import GANG, parse_node_task_id
+from service.jobs.queue import GANG, SECURITY, parse_node_task_id, refusal
 from service.scheduling import policy
 from service.scheduling import service as scheduling
 from service.settings import Settings
@@ -52,29 +56,28 @@ class Chooser:
                                    waiting=[w for w in snap.waiting if w.id in entries])
         return policy.plan(snap)
 
-    def choose(self, db: Session, entries: dict[str, str]) -> list[str]:
-        """Of the priority queues' entries (id -> queue), those this worker takes, in order: the jobs the plan
-        assigns it, after any stale entry (its job no longer queued: taking it just drops it)."""
+    def choose(self, db: Session, entries: dict[str, str]) -> tuple[list[str], list[str]]:
+        """Of the priority queues' entries (id -> queue): the stale ones (no queued job of that id), and those
+        this worker takes, in order (the jobs the plan assigns it)."""
         mine = self.plan(db, entries).for_worker(self.offer.id)
         queued = scheduling.queued_among(db, list(entries))
-        return [e for e in entries if e not in queued] + [j for j in mine if j in entries]
+        return [e for e in entries if e not in queued], [j for j in mine if j in entries]
 
-    def takes(self, db: Session, entry_ids: list[str], *, gang: bool = True) -> list[str]:
-        """The gang node tasks this worker would take, in queue order (a stale one: taking it just drops it).
+    def takes(self, db: Session, entry_ids: list[str], *, gang: bool = True) -> tuple[list[str], list[str]]:
+        """The stale gang node tasks (their attempt gone by), and those this worker would take, in queue order.
 
         A node task is looked at every pass: whether its gang still forms changes.
         """
         keys = {e: parse_node_task_id(e) for e in entry_ids}
         rows = jobs.dispatch_view(db, job_ids={k[0] for k in keys.values() if k})
-        chosen = []
+        stale, chosen = [], []
         for entry, key in keys.items():
             row = rows.get(key[0]) if key else None
             if row is None or row.status != JobStatus.STARTING or row.attempt != key[1]:
+                stale.append(entry)
+            elif fit.misfit(fit.need_of(row.spec, row.plan), self.offer) is None:
                 chosen.append(entry)
-                continue
-            if fit.misfit(fit.need_of(row.spec, row.plan), self.offer) is None:
-                chosen.append(entry)
-        return chosen
+        return stale, chosen
 
 
 class FittingQueue(Queue):
@@ -108,10 +111,11 @@ class FittingQueue(Queue):
             return None
         try:
             with cls.chooser.sessions() as db:
-                wanted = cls.chooser.takes(db, ids, gang=True)
+                stale, wanted = cls.chooser.takes(db, ids, gang=True)
         except UNREACHABLE:  # take nothing while the database is out: a claim could not be made anyway
             log.warning("the database is out of reach; taking no job until it is back")
             return None
+        cls._remove_stale(stale, {e: queue for e in stale}, connection, job_class, serializer)
         return cls._take(wanted, {e: queue for e in wanted}, connection, job_class, serializer)
 
     @classmethod
@@ -124,11 +128,31 @@ class FittingQueue(Queue):
             return None  # nothing queued: no database round trip
         try:
             with cls.chooser.sessions() as db:
-                wanted = cls.chooser.choose(db, {e: q.name for e, q in entries.items()})
+                stale, wanted = cls.chooser.choose(db, {e: q.name for e, q in entries.items()})
         except UNREACHABLE:
             log.warning("the database is out of reach; taking no job until it is back")
             return None
+        cls._remove_stale(stale, entries, connection, job_class, serializer)
         return cls._take(wanted, entries, connection, job_class, serializer)
+
+    @classmethod
+    def _remove_stale(cls, stale: list[str], entries: dict[str, Queue], connection: Redis, job_class, serializer):
+        """Take each stale entry off its queue, unrun. Its hash goes too while RQ says it waits (never taken): a
+        hash RQ marked started or finished is the bookkeeping of a real run of that id, and keeps its TTL."""
+        for entry in stale:
+            queue = entries[entry]
+            if connection.lrem(queue.key, 1, entry) != 1:
+                continue
+            try:
+                job = (job_class or queue.job_class).fetch(entry, connection=connection,
+                                                           serializer=serializer or queue.serializer)
+            except NoSuchJobError:
+                continue
+            if (why := refusal(job)) is not None:
+                cls._refuse(job, queue, why)
+            elif job.get_status(refresh=False) == "queued":  # RQ's own status of the hash
+                job.delete(remove_from_queue=False)
+            log.info("removed stale queue entry %s from %s (no queued job of that id)", entry, queue.name)
 
     @classmethod
     def _take(cls, wanted: list[str], entries: dict[str, Queue], connection: Redis, job_class, serializer):
@@ -141,5 +165,18 @@ class FittingQueue(Queue):
                                                            serializer=serializer or queue.serializer)
             except NoSuchJobError:  # its hash expired or was deleted: nothing to run
                 continue
+            if (why := refusal(job)) is not None:
+                cls._refuse(job, queue, why)
+                continue
             return job, queue
         return None
+
+    @staticmethod
+    def _refuse(job, queue: Queue, why: str) -> None:
+        """A queue entry the service never wrote: logged as a security event, its hash deleted, nothing run."""
+        log.error("%s: worker refused queue entry %s on %s: %s (removed, not run; who can write to this Redis?)",
+                  SECURITY, job.id, queue.name, why)
+        try:
+            job.delete(remove_from_queue=False)
+        except Exception:  # noqa: BLE001 - a payload RQ cannot even delete: its hash stays, unrun
+            log.exception("could not delete the refused entry %s", job.id)

@@ -19,7 +19,7 @@ from rq.utils import now
 
 import worker.agent  # preloaded: each forked work-horse starts with it imported
 from service.db import make_engine, make_sessionmaker
-from service.jobs.queue import queue_names
+from service.jobs.queue import GuardedJob, queue_names
 from service.settings import get_settings
 from service.undumpable import make_undumpable
 from trainjobs.runenv import PREEMPT_SIGNAL
@@ -126,12 +126,13 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     sessions = make_sessionmaker(engine)
     FittingQueue.chooser = Chooser(sessions, offer, settings)
     redis = Redis.from_url(settings.redis_url)
-    queues = [FittingQueue(n, connection=redis, serializer=JSONSerializer) for n in queue_names(settings.queue_prefix)]
+    queues = [FittingQueue(n, connection=redis, serializer=JSONSerializer, job_class=GuardedJob)
+              for n in queue_names(settings.queue_prefix)]
     current: list[PreemptingWorker] = []
 
     def make_worker() -> PreemptingWorker:
         current[:] = [PreemptingWorker(queues, connection=redis, serializer=JSONSerializer, name=name,
-                                       queue_class=FittingQueue)]
+                                       queue_class=FittingQueue, job_class=GuardedJob)]
         return current[0]
 
     stop_heartbeat = start_heartbeat(sessions, offer=offer, every_s=settings.heartbeat_s,

@@ -33,6 +33,62 @@ FINISHING_S = 30  # how long a work-horse may take from recording an outcome to 
 GANG = "gang"
 NODE_FUNCTION = "worker.agent.run_node"
 
+# What a queue entry may ask a worker to run, and with what arguments: RQ imports and calls whatever dotted
+# name an entry's hash holds, so an entry that anything able to reach Redis pushed (a job's script, with a
+# password-less Redis) would run in the worker's work-horse. Workers run these two and nothing else.
+JOB_FUNCTIONS = {JOB_FUNCTION: (str,), NODE_FUNCTION: (str, int, int)}
+SECURITY = "SECURITY"  # the word that starts every log line about a refused queue entry
+
+
+def refusal(rq_job: RQJob) -> str | None:
+    """Why a worker must not run this queue entry (None: it is one of ours, as the service writes them)."""
+    try:
+        func_name, instance, args, kwargs = rq_job.serializer.loads(rq_job.data)
+    except Exception as exc:  # noqa: BLE001 - whatever a forged payload makes the serializer raise
+        return f"an unreadable payload ({type(exc).__name__})"
+    types = JOB_FUNCTIONS.get(func_name)
+    if types is None:
+        return f"function {func_name!r} is not a trainjobs job function"
+    if instance is not None or kwargs or not isinstance(args, (list, tuple)) or len(args) != len(types) or any(
+            type(a) is not t for a, t in zip(args, types, strict=True)):
+        return f"{func_name} with arguments the service never writes"
+    expected = args[0] if func_name == JOB_FUNCTION else node_task_id(*args)
+    if rq_job.id != expected:
+        return f"entry {rq_job.id!r} names job {args[0]!r}"
+    callbacks = [n for n in (rq_job._success_callback_name, rq_job._failure_callback_name,
+                             rq_job._stopped_callback_name) if n]
+    if callbacks or rq_job._dependency_ids:
+        return f"callbacks or dependencies the service never writes ({callbacks or rq_job._dependency_ids})"
+    return None
+
+
+class GuardedJob(RQJob):
+    """RQ's Job that imports only the two job functions, whatever its hash says: the last line of defence
+    behind the dispatcher's check (worker/dispatch.py), wherever RQ itself reaches for a job's function."""
+
+    @property
+    def func(self):
+        if (why := refusal(self)) is not None:
+            raise PermissionError(f"{SECURITY}: refusing queue entry {self.id}: {why}")
+        return super().func
+
+    def _get_callback(self, name: str | None):
+        if name:
+            raise PermissionError(f"{SECURITY}: refusing queue entry {self.id}: a callback {name!r}")
+        return None
+
+    @property
+    def success_callback(self):
+        return self._get_callback(self._success_callback_name)
+
+    @property
+    def failure_callback(self):
+        return self._get_callback(self._failure_callback_name)
+
+    @property
+    def stopped_callback(self):
+        return self._get_callback(self._stopped_callback_name)
+
 
 def queue_names(prefix: str) -> list[str]:
     """Queue names in the order a worker serves them."""
