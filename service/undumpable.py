@@ -9,6 +9,7 @@ reads every file its uid may read (the README's "What a job can reach").
 """
 
 import ctypes
+import os
 import sys
 
 PR_GET_DUMPABLE = 3
@@ -22,3 +23,17 @@ def make_undumpable() -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     return libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) == 0
+
+
+def start_resource_tracker_scrubbed(prefix: str = "TRAINJOBS_") -> None:
+    """Start multiprocessing's resource tracker now, without this process's prefix* variables (the database
+    URL among them). It is exec'd, so dumpable whatever this process is, and lives as long as this process;
+    uvicorn --workers N starts it with its first worker, handing it the whole environment. It needs none of it."""
+    from multiprocessing import resource_tracker
+
+    # NOTE: the tracker is exec'd with the C environ, which os.environ's pop/update keep in step (unsetenv).
+    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith(prefix)}
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        os.environ.update(saved)

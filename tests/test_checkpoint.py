@@ -5,12 +5,14 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.conftest import mlp_spec
 from tests.helpers import run_torchrun
 from trainjobs.runenv import ATTEMPT_ENV
 from trainjobs.spec import JobSpec
-from worker.train.checkpoint import COMPLETE, OWNER, complete_checkpoints, save_model
+from worker.train.checkpoint import COMPLETE, OWNER, VettedLoadPlanner, complete_checkpoints, save_model
 from worker.train.data import build_dataset
 from worker.train.distributed import Dist
 from worker.train.models import build_model
@@ -95,3 +97,24 @@ def test_a_stale_attempt_writes_no_model_file(tmp_path, monkeypatch):
     assert not (job_dir / "artifacts" / "model.pt").exists()
     (job_dir / OWNER).write_text("1")
     assert save_model(model, d, job_dir / "artifacts") == job_dir / "artifacts" / "model.pt"
+
+
+class NotAPlainValue:
+    """Stands for what a job could put in a checkpoint another job loads: a class the full unpickler builds."""
+
+
+def test_a_checkpoint_value_other_than_tensors_and_plain_values_is_refused_on_load(tmp_path):
+    optim = {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "foreach": None, "params": [0]}]}
+    dcp.save({"model": {"w": torch.ones(2)}, "optim": optim}, checkpoint_id=tmp_path / "plain")
+    state = {"model": {"w": torch.zeros(2)}, "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0),
+                                                                          "foreach": False, "params": [0]}]}}
+    dcp.load(state, checkpoint_id=tmp_path / "plain", planner=VettedLoadPlanner())
+    assert state["model"]["w"].tolist() == [1.0, 1.0] and state["optim"] == optim
+
+    dcp.save({"model": {"w": torch.ones(2)}, "extra": NotAPlainValue()}, checkpoint_id=tmp_path / "hostile")
+    unvetted = {"model": {"w": torch.zeros(2)}, "extra": None}
+    dcp.load(unvetted, checkpoint_id=tmp_path / "hostile")  # torch's default planner builds the object
+    assert isinstance(unvetted["extra"], NotAPlainValue)
+    with pytest.raises(CheckpointException, match="Unsupported global.*NotAPlainValue"):
+        dcp.load({"model": {"w": torch.zeros(2)}, "extra": None}, checkpoint_id=tmp_path / "hostile",
+                 planner=VettedLoadPlanner())

@@ -32,6 +32,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port: `[::1]:8000` → `::1`, `localhost:8000` → `localhost`."""
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    name, _, port = header.rpartition(":")
+    return name if name and port.isdigit() else header
+
+
+def check_loopback_host(request: Request) -> None:
+    """With auth off, refuse a request not addressed to a loopback name: a web page that re-binds its own DNS
+    name to 127.0.0.1 (DNS rebinding) reaches this port from the user's browser, but with its own name as Host."""
+    header = request.headers.get("host", "")
+    if not is_loopback(host_name(header).lower()):
+        raise Forbidden(f"auth is off, which serves loopback only: Host {header!r} is not localhost, 127.0.0.1 "
+                        "or [::1]", field="Host")
+
+
 async def current_principal(request: Request) -> Principal:
     """The caller. A token seen lately is answered from the process's cache (service/auth/cache.py), with no
     thread and no database; the rest is authenticated in the threadpool, in a short session of its own."""
@@ -40,6 +57,7 @@ async def current_principal(request: Request) -> Principal:
         server = request.scope.get("server")
         if server and not is_loopback(server[0]):  # the CLI refuses to bind elsewhere; this is the backstop
             raise Unauthorized("auth is off, which serves loopback only")
+        check_loopback_host(request)
         return LOCAL_ADMIN
     scheme, _, secret = request.headers.get("Authorization", "").partition(" ")
     secret = secret.strip()

@@ -198,7 +198,15 @@ def cmd_demo(args, settings: Settings) -> int:
 def cmd_api(args, settings: Settings) -> int:
     import uvicorn
 
+    from service.undumpable import make_undumpable, start_resource_tracker_scrubbed
+
     check_bind(settings, args.host)
+    # With --workers N this process is uvicorn's master and never imports service/api/asgi.py (each worker does,
+    # and makes itself undumpable there); its environment holds the database URL all the same. So would the
+    # resource tracker that uvicorn has exec'd (and so dumpable) with the first worker: start it now, without.
+    make_undumpable()
+    if args.workers > 1:
+        start_resource_tracker_scrubbed()
     # NOTE: N processes, each the whole app: reads and writes scale with them; the sweeper's pass stays one at a
     # time (a Redis lock), each webhook delivery is claimed by one (a compare-and-set), and a revoked token
     # leaves every process's principal cache through the epoch in Redis.

@@ -4,8 +4,13 @@ A checkpoint is a folder `step_00000120/` in the job's checkpoint dir holding th
 and optimizer), `trainer.json` (step, epoch, position in the epoch) and one RNG file per rank. It
 counts only once rank 0 has written `COMPLETE`, after every rank finished writing: a job killed in
 the middle of a save resumes from the one before.
+
+Every pickle a load reads is read with weights_only=True first (tensors and plain values only): a checkpoint is
+written by a job's ranks, and one job may load another's (spec.init_from). NOTE: DCP's own `.metadata` is
+not: FileSystemReader.read_metadata unpickles it with pickle.load, and torch (2.13) offers no safe option.
 """
 
+import io
 import json
 import os
 import shutil
@@ -16,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,6 +54,16 @@ def complete_checkpoints(root: Path) -> list[Path]:
         return []
     found = [p for p in root.glob(f"{PREFIX}*") if (p / COMPLETE).is_file()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+class VettedLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but a value that is not a tensor (the optimizer's param_groups: floats, tuples,
+    strings) is first read with weights_only=True: the default reads it with the full unpickler."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # an UnpicklingError on anything but tensors and plain values
+        value.seek(0)  # vetted: the full unpickler now reads the same bytes, so builds only what was allowed
+        super().load_bytes(read_item, value)
 
 
 class Checkpointer:
@@ -83,11 +100,11 @@ class Checkpointer:
         """Collective: restore model, optimizer, this rank's RNG and the position from `path`."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, planner=VettedLoadPlanner())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng_file = path / f"rng_rank{self.d.rank}.pt"
         if rng_file.is_file():  # absent when the world size changed: the seeds then differ anyway
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+            _set_rng_state(torch.load(rng_file, weights_only=True))  # tensors: see _rng_state
         return Position(**json.loads((path / "trainer.json").read_text()))
 
     def _prune(self) -> None:
@@ -152,13 +169,14 @@ def load_weights(model: nn.Module, source: Path) -> None:
         raise ValueError(f"init_from: {source} has parameter {extra[0]!r}, which this model lacks")
     if source.is_dir():
         state = {"model": expected}
-        dcp.load(state, checkpoint_id=source)
+        dcp.load(state, checkpoint_id=source, planner=VettedLoadPlanner())
         set_model_state_dict(model, state["model"])
     else:
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 
 
 def _rng_state() -> dict:
+    """This rank's generators' states: byte tensors only, so that a resume reads them with weights_only=True."""
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
