@@ -8,6 +8,9 @@
 # nvidia-* wheels, and the host's NVIDIA Container Toolkit mounts the driver (libcuda) into the container
 # when it is started with a GPU (compose: deploy.resources.reservations.devices; docker run: --gpus all).
 # Plain Dockerfile syntax (no heredocs, no RUN --mount), so the classic builder builds it as well as BuildKit.
+#
+# No credentials in the image: Redis's password comes from a secret file named by TRAINJOBS_REDIS_PASSWORD_FILE
+# (compose: /run/secrets/redis_password), the database's in TRAINJOBS_DATABASE_URL (compose: the operator's .env).
 FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0
@@ -22,6 +25,15 @@ ENV PYTHONUNBUFFERED=1 \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     TRAINJOBS_DATA_DIR=/data \
     TRAINJOBS_SECRETS_DIR=/secrets
+
+# bubblewrap: the sandbox around every job (worker/sandbox.py), made from unprivileged user namespaces (Debian's
+# bwrap is not setuid); docker-compose.yml says what the worker's container must allow for it. Not pinned: the
+# base image's Debian release fixes the version, and its security updates are wanted.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends bubblewrap \
+ && bwrap --version \
+ && rm -rf /var/lib/apt/lists/*
 
 # The non-root user every process runs as; uid/gid 1000 to match the usual owner of a bind-mounted host dir.
 RUN groupadd --system --gid 1000 trainjobs \

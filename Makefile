@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test print-test-workers up services lint bench clean
+.PHONY: demo test print-test-workers print-test-redis-password-file up services lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,12 @@ demo: $(STAMP)
 # pytest-xdist workers for `make test` (tests/conftest.py gives each its own database and Redis db). The tests
 # marked `alone` assert wall-clock bounds that hold on a quiet machine: they run afterwards, one at a time.
 TEST_WORKERS ?= 2
+# The tests' Redis asks for a password, as the service's should (scripts/ensure-services.sh starts it on 6380 and
+# keeps its password in this file); a TRAINJOBS_TEST_REDIS_URL the caller sets wins.
+TEST_REDIS_PASSWORD_FILE ?= /var/lib/redis/trainjobs-test.password
 
 test: $(STAMP) services
+	export TRAINJOBS_TEST_REDIS_URL="$${TRAINJOBS_TEST_REDIS_URL:-redis://:$$(cat $(TEST_REDIS_PASSWORD_FILE))@127.0.0.1:6380/15}"; \
 	$(PY) -m pytest -n $(TEST_WORKERS) -m "not alone"; parallel=$$?; \
 	$(PY) -m pytest -m alone; alone=$$?; \
 	[ $$parallel = 0 ] && [ $$alone = 0 ]
@@ -32,8 +36,11 @@ test: $(STAMP) services
 print-test-workers:
 	@echo $(TEST_WORKERS)
 
+print-test-redis-password-file:
+	@echo $(TEST_REDIS_PASSWORD_FILE)
+
 services:
-	./scripts/ensure-services.sh
+	TRAINJOBS_TEST_REDIS_PASSWORD_FILE=$(TEST_REDIS_PASSWORD_FILE) ./scripts/ensure-services.sh
 
 up: $(STAMP)
 	$(VENV)/bin/trainjobs up

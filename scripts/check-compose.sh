@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Validate docker-compose.yml with docker-compose 1.29.2 (`config -q`), which needs no Docker engine.
+# Validate docker-compose.yml with docker-compose 1.29.2 (`config -q`), which needs no Docker engine, and check
+# that it ships no database credentials (it refuses to start without TRAINJOBS_DATABASE_URL).
 # The tool lives in a Python 3.9 venv outside the repo (1.29.2 does not install on 3.11+); made if missing.
 # Not part of the test suite. Usage: scripts/check-compose.sh [compose file]
 #   DC_VENV=/tmp/dc-venv  PYTHON39=/root/.pyenv/versions/3.9.18/bin/python  to change where things are.
@@ -21,5 +22,16 @@ if [ ! -x "$VENV/bin/docker-compose" ]; then
 fi
 
 "$VENV/bin/docker-compose" version --short
-"$VENV/bin/docker-compose" -f "$FILE" config -q
+# The file ships no database credentials: without TRAINJOBS_DATABASE_URL (the operator's .env, left out here
+# through an empty env file) it must refuse, naming the variable.
+empty_env="$(mktemp)"
+trap 'rm -f "$empty_env"' EXIT
+refusal="$(env -u TRAINJOBS_DATABASE_URL "$VENV/bin/docker-compose" -f "$FILE" --env-file "$empty_env" config -q 2>&1)" \
+  && refusal=""
+if [[ "$refusal" != *"Missing mandatory value"*TRAINJOBS_DATABASE_URL* ]]; then
+  echo "$FILE does not refuse to start without TRAINJOBS_DATABASE_URL: no default (a default password) allowed" >&2
+  exit 1
+fi
+TRAINJOBS_DATABASE_URL="${TRAINJOBS_DATABASE_URL:-postgresql+psycopg://trainjobs:placeholder@postgres:5432/trainjobs}" \
+  "$VENV/bin/docker-compose" -f "$FILE" config -q
 echo "ok: $FILE is valid for docker-compose $("$VENV/bin/docker-compose" version --short)"

@@ -19,6 +19,10 @@ class Settings(BaseSettings):
     scripts_dir: Path | None = None  # entrypoint scripts are resolved inside it; default: data_dir/scripts
     allow_entrypoints: bool = False  # a worker runs users' own code only when told to
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Redis's password in a file of its own (a Docker secret, or the file `trainjobs up` writes in the secrets
+    # dir): put into redis_url when that names none. Redis without one lets any process that reaches it (a job's
+    # script) push queue entries; the API and workers say so at start (service/redis_auth.py).
+    redis_password_file: Path | None = None
     api_url: str = "http://127.0.0.1:8000"
     token: str | None = Field(None, repr=False, description="the CLI's API token (else the admin token file)")
     # The service's own secrets (the admin token file): never inside a folder a job is handed (the data dir,
@@ -45,6 +49,20 @@ class Settings(BaseSettings):
                                  "fails")
     env_cache_bytes: int = Field(20 * 2**30, ge=0, description="a worker's built environments, least recently "
                                  "used (and unused) evicted past it")
+
+    # The sandbox around every attempt (worker/sandbox.py): auto = one where this machine can make it (bubblewrap);
+    # required = refuse to start without one (and without a Redis password); off = none (the worker's labels say so).
+    sandbox: Literal["auto", "required", "off"] = "auto"
+    sandbox_uid_base: int = Field(200_000, ge=1000, description="a worker running as root runs each job as a uid "
+                                  "of its own, base + a hash of the job id")
+    sandbox_uid_count: int = Field(65_536, ge=1, description="how many uids from sandbox_uid_base jobs are given")
+    job_network: bool = Field(False, description="single-node jobs may reach the network (else: loopback only; a "
+                              "multi-node gang always shares the host's network)")
+    job_env: str = Field("", description="the worker's own variables (names, or prefixes ending in *, comma-"
+                         "separated) passed to jobs besides the basics; e.g. NCCL_*,HF_HOME")
+    job_pids_max: int = Field(16_384, ge=16, description="processes and threads of one attempt (cgroup pids)")
+    job_memory_bytes: int | None = Field(None, ge=2**24, description="memory of one attempt (cgroup); default: "
+                                         "what the worker offers")
 
     # Supervision of a running job (worker side).
     poll_s: float = Field(0.5, gt=0, description="how often the supervisor ships logs/metrics and checks cancel")
@@ -144,6 +162,15 @@ class Settings(BaseSettings):
     def admin_token_file(self) -> Path:
         """Where the first admin token is written (by the API or `trainjobs up`) and the CLI finds it."""
         return self.resolved_secrets_dir / "admin.token"
+
+    @model_validator(mode="after")
+    def _redis_password_from_file(self) -> "Settings":
+        if self.redis_password_file is not None:
+            from service.redis_auth import with_password  # light: urllib only
+
+            password = self.redis_password_file.read_text().strip()
+            self.redis_url = with_password(self.redis_url, password)
+        return self
 
     @model_validator(mode="after")
     def _secrets_apart_from_jobs(self) -> "Settings":

@@ -12,6 +12,7 @@ can be counted. Each test prints how long after the service came back its job se
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -89,15 +90,18 @@ class PrivatePostgres:
 
 
 class PrivateRedis:
+    """With a password, as the service's Redis always has one (a restart keeps it, as a config file would)."""
+
     def __init__(self):
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.port, self.password = free_port(), secrets.token_urlsafe(16)
+        self.url = f"redis://:{self.password}@127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         """A new, empty server (it keeps nothing on disk): a restart loses every queue entry."""
         self.proc = subprocess.Popen([redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+                                      "--requirepass", self.password, "--save", "", "--appendonly", "no"],
+                                     stdout=subprocess.DEVNULL)
         wait_for(lambda: redis_reachable(self.url), 10, 0.05, what="redis-server to start")
 
     def stop(self) -> None:

@@ -34,6 +34,7 @@ from service.logs.router import router as logs_router
 from service.metrics.charts import RenderedCharts
 from service.metrics.router import router as metrics_router
 from service.packages.router import router as packages_router
+from service.redis_auth import warn_if_open
 from service.scheduling.router import router as scheduling_router
 from service.settings import Settings, get_settings
 from service.sweeps.router import router as sweeps_router
@@ -51,6 +52,7 @@ async def lifespan(app: FastAPI):
         with app.state.sessionmaker() as db:
             if tokens.bootstrap_admin(db, settings):
                 log.warning("first start: an admin token was written to %s (mode 0600)", settings.admin_token_file)
+    warn_if_open(settings, who="API", log=log)  # an unreachable Redis is the sweeper's to wait for, not the start's
     sweeper = Sweeper(app.state.settings, app.state.sessionmaker, app.state.redis,
                       on_collect=getattr(app.state, "count_collected", None), needs=app.state.job_needs)
     thread = threading.Thread(target=sweeper.run, name="sweeper", daemon=True)

@@ -2,20 +2,23 @@
 
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from urllib.parse import urlparse
+from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import httpx
 from redis import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError
 
 from service import migrate
 from service.auth import tokens
 from service.db import make_engine, make_sessionmaker
+from service.redis_auth import needs_no_password, with_password
 from service.settings import Settings, check_bind
 
 # NOTE: how long the API keeps an idle keep-alive connection: nginx's default, well past the 5 s that clients keep
@@ -27,12 +30,13 @@ KEEP_ALIVE_S = 75
 
 log = logging.getLogger(__name__)
 
+REDIS_PASSWORD_FILE = "redis.password"  # in the secrets dir: the password of the Redis `up` starts itself
+
 
 def redis_reachable(url: str) -> bool:
-    try:
-        return bool(Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1).ping())
-    except RedisError:
-        return False
+    """Whether a Redis answers at the URL's address, whatever its password: one that asks for a password is
+    there all the same, and `up` must not start a second one on its port."""
+    return needs_no_password(url, timeout_s=1) is not None
 
 
 def redis_server_binary() -> str:
@@ -73,7 +77,7 @@ class Stack:
         env.update({
             "TRAINJOBS_DATA_DIR": str(self.settings.data_dir.resolve()),
             "TRAINJOBS_DATABASE_URL": self.settings.resolved_database_url,
-            "TRAINJOBS_REDIS_URL": self.settings.redis_url,
+            "TRAINJOBS_REDIS_URL": self._redis_url_for_children(),
             "TRAINJOBS_QUEUE_PREFIX": self.settings.queue_prefix,
             "TRAINJOBS_API_URL": self.api_url,
         })
@@ -81,8 +85,7 @@ class Stack:
 
     def start(self) -> None:
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
-        if not redis_reachable(self.settings.redis_url):
-            self._start_redis()
+        self._bring_up_redis()
         migrate.upgrade(self.settings.resolved_database_url)
         check_bind(self.settings, self.host)
         if self.settings.auth:
@@ -114,14 +117,65 @@ class Stack:
             self._spawn(f"worker-{i}", [sys.executable, "-m", "worker.main", *(args or [])], env=env)
         return [p for _, p in self.procs[-n:]] if n else []
 
+    def _redis_url_for_children(self) -> str:
+        """The Redis URL the processes are given: without the password when they read it from the password
+        file (TRAINJOBS_REDIS_PASSWORD_FILE, also passed), so that it is in no process's environment."""
+        parsed, password_file = urlparse(self.settings.redis_url), self.settings.redis_password_file
+        if password_file is None or unquote(parsed.password or "") != password_file.read_text().strip():
+            return self.settings.redis_url
+        user, _, host = parsed.netloc.rpartition("@")
+        user = user.partition(":")[0]
+        return parsed._replace(netloc=f"{user}@{host}" if user else host).geturl()
+
+    def _bring_up_redis(self) -> None:
+        """The Redis that answers at the URL, else one of our own (with a password); one that asks for a password
+        we do not have stops the start here, with a message, rather than every process later."""
+        url = self.settings.redis_url
+        is_open = needs_no_password(url, timeout_s=1)
+        if is_open is None:
+            self._start_redis()
+            return
+        kept = self.settings.resolved_secrets_dir / REDIS_PASSWORD_FILE
+        if is_open is False and urlparse(url).password is None and kept.is_file():
+            self._use_redis_password_file(kept)  # an earlier `up`'s Redis, still running
+        if is_open is False and not self._redis_lets_us_in():
+            raise RuntimeError(f"the Redis at {urlparse(url).netloc.rpartition('@')[2]} asks for a password that "
+                               "we do not have: give it in TRAINJOBS_REDIS_PASSWORD_FILE")
+
+    def _redis_lets_us_in(self) -> bool:
+        conn = Redis.from_url(self.settings.redis_url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            return bool(conn.ping())
+        except AuthenticationError:
+            return False
+        finally:
+            conn.close()
+
+    def _use_redis_password_file(self, path: Path) -> None:
+        password = path.read_text().strip()
+        self.settings = self.settings.model_copy(update={
+            "redis_url": with_password(self.settings.redis_url, password), "redis_password_file": path})
+
     def _start_redis(self) -> None:
+        """A redis-server of our own at the URL's address, that asks for the URL's password or, where the URL
+        names none, for one `up` makes on its first start and keeps in the secrets dir (0600)."""
+        if urlparse(self.settings.redis_url).password is None:
+            kept = self.settings.resolved_secrets_dir / REDIS_PASSWORD_FILE
+            if not kept.is_file():
+                tokens.write_secret(kept, secrets.token_urlsafe(32))
+            self._use_redis_password_file(kept)
         url = urlparse(self.settings.redis_url)
+        # NOTE: requirepass in a 0600 config file, never on the command line: any user reads argv in /proc.
+        config = self.settings.resolved_secrets_dir / "redis.conf"
+        escaped = unquote(url.password or "").replace("\\", "\\\\").replace('"', '\\"')
+        tokens.write_secret(config, f'requirepass "{escaped}"')
         redis_dir = (self.settings.data_dir / "redis").resolve()
         redis_dir.mkdir(parents=True, exist_ok=True)
         binary = redis_server_binary()
-        log.info("no Redis at %s; starting %s", self.settings.redis_url, binary)
-        self._spawn("redis", [binary, "--port", str(url.port or 6379), "--bind", url.hostname or "127.0.0.1",
-                              "--dir", str(redis_dir), "--appendonly", "yes", "--save", ""])
+        log.info("no Redis at %s; starting %s", url.netloc.rpartition("@")[2], binary)
+        self._spawn("redis", [binary, str(config), "--port", str(url.port or 6379),
+                              "--bind", url.hostname or "127.0.0.1", "--dir", str(redis_dir), "--appendonly", "yes",
+                              "--save", ""])
         deadline = time.monotonic() + 10
         while not redis_reachable(self.settings.redis_url):
             if time.monotonic() > deadline:
