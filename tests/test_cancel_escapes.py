@@ -17,7 +17,7 @@ GRACE_S = 2
 # Rank 0 starts two helpers that escape the ways a user's code does, then trains until it is cancelled.
 ESCAPING = '''\
 import os, subprocess, sys, time
-pids = sys.argv[1]
+pids = os.environ["TRAINJOBS_ARTIFACTS_DIR"]  # the job's own: the sandbox lets it write nowhere else
 if os.environ["RANK"] == "0":
     stubborn = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                 "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
@@ -46,6 +46,16 @@ def stack(postgres_url, tmp_path_factory):
         yield s
 
 
+def helper_pids(stack, job_id: str) -> list[int]:
+    """The helpers' pids as the worker sees them (not the sandbox's): found by the pid files they name."""
+    artifacts = stack.settings.resolved_storage_dir / "jobs" / job_id / "artifacts"
+    names = [str(artifacts / "tagless"), str(artifacts / "detached")]
+    if not all(Path(n).exists() and Path(n).read_text() for n in names):
+        return []
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if set(p.info["cmdline"] or []) & set(names)
+            and alive(p.pid)]
+
+
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -53,15 +63,12 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_cancel_stops_helpers_that_left_the_tree_without_the_run_tag_and_settles_within_the_grace(stack, tmp_path):
-    pids = tmp_path / "pids"
-    pids.mkdir()
+def test_cancel_stops_helpers_that_left_the_tree_without_the_run_tag_and_settles_within_the_grace(stack):
     with stack.client(timeout=10) as api:
-        spec = mlp_spec(model=None, data=None, entrypoint={"script": "escaping.py", "args": [str(pids)]})
+        spec = mlp_spec(model=None, data=None, entrypoint={"script": "escaping.py"})
         job_id = api.post("/v1/jobs", json=spec).json()["id"]
-        files = [pids / "tagless", pids / "detached"]
-        wait_for(lambda: all(f.exists() and f.read_text() for f in files), 60, what="both helpers to start")
-        helpers = [int(f.read_text()) for f in files]
+        helpers = wait_for(lambda: len(found := helper_pids(stack, job_id)) == 2 and found, 60,
+                           what="both helpers to start")
         try:
             assert all(alive(pid) for pid in helpers)
             asked = time.monotonic()
@@ -81,24 +88,27 @@ def test_cancel_stops_helpers_that_left_the_tree_without_the_run_tag_and_settles
                     pass
 
 
-def test_a_run_that_ends_by_itself_leaves_no_helper_behind(stack, tmp_path):
+def test_a_run_that_ends_by_itself_leaves_no_helper_behind(stack):
     """The same escape from a run that is not cancelled: when the ranks end, what they left is stopped."""
     script = Path(stack.settings.resolved_scripts_dir) / "leaves.py"
     ends = ("while not all(os.path.exists(os.path.join(pids, n)) for n in ('tagless', 'detached')):\n"
             "    time.sleep(0.05)\n"
             "print('rank done', flush=True)\n")
     script.write_text(ESCAPING.replace("while True:\n    time.sleep(0.1)\n", ends))
-    pids = tmp_path / "pids"
-    pids.mkdir()
     with stack.client(timeout=10) as api:
-        spec = mlp_spec(model=None, data=None, entrypoint={"script": "leaves.py", "args": [str(pids)]})
+        spec = mlp_spec(model=None, data=None, entrypoint={"script": "leaves.py"})
         spec["resources"]["nproc_per_node"] = 1
-        job = wait_terminal(api, api.post("/v1/jobs", json=spec).json()["id"], timeout=60)
-        helpers = [int(f.read_text()) for f in (pids / "tagless", pids / "detached") if f.exists()]
+        job_id = api.post("/v1/jobs", json=spec).json()["id"]
+        helpers: list[int] = []
+        wait_for(lambda: helpers.extend(helper_pids(stack, job_id)) or len(helpers) >= 2 or
+                 api.get(f"/v1/jobs/{job_id}").json()["status"] in ("succeeded", "failed"), 60, 0.05,
+                 what="both helpers to start")
+        job = wait_terminal(api, job_id, timeout=60)
+        artifacts = stack.settings.resolved_storage_dir / "jobs" / job_id / "artifacts"
         try:
             assert job["status"] == "succeeded", job["error"]
-            assert len(helpers) == 2
-            wait_for(lambda: not any(alive(pid) for pid in helpers), 5, 0.1, what="the helpers to be gone")
+            assert (artifacts / "tagless").exists() and (artifacts / "detached").exists()
+            wait_for(lambda: not helper_pids(stack, job_id), 5, 0.1, what="the helpers to be gone")
         finally:
             for pid in helpers:
                 try:

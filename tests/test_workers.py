@@ -31,7 +31,9 @@ def test_workers_register_with_their_flags_and_show_in_the_list(stack, api):
     for worker in listed.values():
         assert set(worker) == FIELDS
         assert worker["slots"] == 1 and worker["busy_slots"] == 0 and worker["device"] == "cpu"
-        assert worker["labels"] == {"zone": "a"} and worker["state"] == "idle" and worker["current_job"] is None
+        own = {k: v for k, v in worker["labels"].items() if not k.startswith("trainjobs.io/")}  # what it enforces
+        assert own == {"zone": "a"} and worker["state"] == "idle" and worker["current_job"] is None
+        assert worker["labels"]["trainjobs.io/sandbox"] in ("on", "off")
         assert worker["memory_gb"] > 0 and worker["address"] and worker["host"]
     assert {int(i.rsplit("-", 1)[1]) for i in listed} == {p.pid for p in procs}
 

@@ -20,12 +20,15 @@ from rq.utils import now
 import worker.agent  # preloaded: each forked work-horse starts with it imported
 from service.db import make_engine, make_sessionmaker
 from service.jobs.queue import GuardedJob, queue_names
+from service.redis_auth import warn_if_open
 from service.settings import get_settings
 from service.undumpable import make_undumpable
 from trainjobs.runenv import PREEMPT_SIGNAL
+from worker import sandbox
 from worker.agent import request_preemption
 from worker.dispatch import Chooser, FittingQueue
 from worker.inventory import probe, start_heartbeat
+from worker.sandbox import REDIS_AUTH_LABEL
 
 log = logging.getLogger(__name__)
 RESTART_MAX_S = 5.0  # the longest wait between two starts of the worker loop after an outage
@@ -118,7 +121,19 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = os.environ.get("TRAINJOBS_WORKER_NAME") or f"{socket.gethostname()}-{os.getpid()}"
     os.environ["TRAINJOBS_WORKER_NAME"] = name
-    offer = probe(settings, name=name)
+    support = sandbox.detect(settings)
+    try:
+        sandbox.check_start(settings, support)
+    except sandbox.SandboxUnavailable as exc:
+        raise SystemExit(f"trainjobs worker: {exc}") from None
+    redis_open = warn_if_open(settings, who="worker", log=log)
+    if redis_open and settings.sandbox == "required":
+        raise SystemExit("trainjobs worker: TRAINJOBS_SANDBOX=required, but Redis answers without a password: any "
+                         "job that reaches it could write to the queue (give it one: TRAINJOBS_REDIS_PASSWORD_FILE)")
+    sandbox.set_current(support)  # each work-horse inherits it
+    log.log(logging.INFO if support.on else logging.WARNING, "worker %s: %s", name, support.describe())
+    offer = probe(settings, name=name, labels={**support.labels(), REDIS_AUTH_LABEL: "none" if redis_open else
+                                               "password"})
     worker.agent.offer = offer  # each work-horse inherits it (gang endpoints, busy slots)
     engine = make_engine(settings.resolved_database_url, application_name=name)  # the sweeper ends them if frozen
     # NOTE: a forked work-horse must never use (or close) the pooled connections it inherited.

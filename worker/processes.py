@@ -51,6 +51,27 @@ def signal_ranks(root_pid: int, sig: int) -> int:
     return len(ranks)
 
 
+def launcher_pid(root_pid: int) -> int:
+    """torchrun's pid under `root_pid` (the sandbox's bwrap and its init stand between them); root_pid itself
+    when it is torchrun or none is found yet."""
+    try:
+        tree = [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return root_pid
+    for proc in tree:
+        if is_torchrun(proc):
+            return proc.pid
+    return root_pid
+
+
+def is_torchrun(proc: psutil.Process) -> bool:
+    """torchrun itself: `python -m torch.distributed.run ...` (bwrap's own argv names it too, further on)."""
+    try:
+        return proc.cmdline()[1:3] == ["-m", "torch.distributed.run"]
+    except (psutil.Error, IndexError):
+        return False
+
+
 def find_processes(root_pid: int, tag: str) -> list[psutil.Process]:
     """The root, its descendants, and any process whose environment carries the run tag."""
     found: dict[int, psutil.Process] = {}

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE
@@ -21,7 +22,7 @@ from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType, JobStatus
-from worker import environments, launch, packages, processes
+from worker import environments, launch, packages, processes, sandbox
 from worker.root_cause import root_cause
 from worker.shipping import LogShipper, MetricTail, OutputPump, sanitized_note
 from worker.watch import Watch
@@ -47,6 +48,25 @@ class Outcome:
     error: dict | None = None
     killed_pids: list[int] = field(default_factory=list)
     detail: str | None = None  # for the job's event log (e.g. why it was handed back)
+
+
+class Launcher:
+    """torchrun's pid, found once under the process launched (a sandbox's bwrap stands between them)."""
+
+    def __init__(self, root_pid: int):
+        self.root_pid, self._pid = root_pid, None
+
+    @property
+    def pid(self) -> int:
+        if self._pid is None:
+            found = processes.launcher_pid(self.root_pid)
+            try:
+                if found == self.root_pid and not processes.is_torchrun(psutil.Process(found)):
+                    return found  # not started yet: ask again next time
+            except psutil.NoSuchProcess:
+                return found
+            self._pid = found
+        return self._pid
 
 
 class Supervisor:
@@ -122,21 +142,39 @@ class Supervisor:
             self.spec, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir, python=python,
             data_dir=self.settings.data_dir, job_dir=job_dir,
             shutdown_grace_s=self.settings.cancel_grace_s,
-            base_env=launch.default_env(), cpu_count=os.cpu_count() or 1,
+            base_env=sandbox.job_env(self.settings), cpu_count=os.cpu_count() or 1,
             scripts_dir=scripts_dir, entry_script=entry_script, gang=self.gang, init_from=init_from,
         )
         for folder in (paths.CHECKPOINTS, paths.ARTIFACTS):  # a user's script may write straight into them
             (job_dir / folder).mkdir(parents=True, exist_ok=True)
         (job_dir / "OWNER").write_text(str(self.attempt))  # a stale attempt's ranks then write no checkpoint
         (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
+        support = sandbox.for_worker(self.settings)
+        box = sandbox.Box(support, self.settings, sandbox.Attempt(
+            job_id=self.job_id, run_dir=self.run_dir, job_dir=job_dir, python=python, data_dir=self.settings.data_dir,
+            scripts_dir=scripts_dir, cwd=code_dir or self.run_dir, init_from=init_from, gang=self.gang is not None,
+            node_rank=self.node_rank,
+            devices=sandbox.gpu_nodes() if self.spec.resources.device != "cpu" else ()),
+            memory_bytes=sandbox.default_memory_bytes())
+        argv, env = box.wrap(plan.argv, plan.env)
         processes.become_subreaper()
         procs = processes.AttemptProcesses(self.tag)  # before torchrun: what exists now is not the attempt's
+
+        def preexec() -> None:
+            processes.prepare_torchrun()
+            box.preexec()
+
         # A session of its own, so a signal to the worker's terminal never reaches the ranks directly.
-        proc = subprocess.Popen(
-            plan.argv, env=plan.env, cwd=code_dir or self.run_dir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=processes.prepare_torchrun,
-        )
+        try:
+            proc = subprocess.Popen(
+                argv, env=env, cwd=code_dir or self.run_dir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec, umask=box.umask,
+            )
+        except BaseException:
+            box.close()
+            raise
         procs.root_pid = proc.pid
+        launcher = Launcher(proc.pid)
         pump = OutputPump(proc.stdout.fileno())
         self.watch.launched()
         try:
@@ -164,10 +202,10 @@ class Supervisor:
                         stop_reason = "cancelled"
                     elif time.monotonic() - started > self.spec.timeout_s:
                         stop_reason = "timeout"
-                    elif self._preempt_past_grace(proc.pid):
+                    elif self._preempt_past_grace(launcher.pid):
                         stop_reason = "preempted"
                     else:
-                        stop_reason = self.watch.poll(proc.pid)
+                        stop_reason = self.watch.poll(launcher.pid)
                     if stop_reason is None and self.watch.pending:  # a dump or a warning: stored now
                         self._ship(None)
                 if stop_reason is not None:
@@ -197,6 +235,12 @@ class Supervisor:
             if left := procs.find():
                 log.error("attempt %s left %d process(es); killing them", self.tag, len(left))
                 procs.stop(0)
+            if box.oom_killed():
+                self.logs.stage(f"[trainjobs] the attempt reached its memory bound ({box.memory_bytes} bytes, "
+                                "TRAINJOBS_JOB_MEMORY_BYTES): the kernel killed a process of it\n".encode(),
+                                final=True)
+                self._drain(None)
+            box.close()
             proc.stdout.close()
             self.watch.close()
             shutil.rmtree(self.run_dir / "tmp", ignore_errors=True)

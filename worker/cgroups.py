@@ -1,0 +1,143 @@
+"""A cgroup per attempt, where the worker may make one: a bound on its memory and its processes, and a way to
+kill all of it at once. Both cgroup versions: v1 (a hierarchy per controller, as on older hosts and this CI
+machine) and v2 (one unified tree, most hosts now), each found at /sys/fs/cgroup.
+
+On v2 a child cgroup needs its controllers enabled in its parent's cgroup.subtree_control, which the kernel
+refuses while the parent itself holds processes (the "no internal processes" rule) unless the parent is the
+root: a worker in a systemd service or a container should be given a delegated subtree (systemd Delegate=yes).
+Where that fails the worker says so (no cgroup limits) and the PID namespace still ends every process.
+"""
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+ROOT = Path("/sys/fs/cgroup")
+V1_CONTROLLERS = ("memory", "pids")
+PARENT = "trainjobs"
+
+
+def detect() -> str | None:
+    """"v1" or "v2" when this worker can make a limited cgroup for an attempt, else None."""
+    probe = Attempt(f"probe-{os.getpid()}")
+    try:
+        probe.create(memory_bytes=2**30, pids_max=64)
+    except OSError as exc:
+        log.info("no cgroup limits for attempts: %s", exc)
+        return None
+    finally:
+        probe.remove()
+    return probe.version
+
+
+def version() -> str | None:
+    if (ROOT / "cgroup.controllers").exists():
+        return "v2"
+    if all((ROOT / c).is_dir() for c in V1_CONTROLLERS):
+        return "v1"
+    return None
+
+
+def _own_v2() -> Path:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return ROOT / line[3:].lstrip("/")
+    raise OSError("no cgroup v2 entry in /proc/self/cgroup")
+
+
+class Attempt:
+    """One attempt's cgroup(s): make it, put the launcher in it (before exec), kill and remove it at the end."""
+
+    def __init__(self, name: str):
+        self.name = name.replace("/", "_")
+        self.version = version()
+        self.dirs: list[Path] = []
+
+    def create(self, *, memory_bytes: int | None, pids_max: int) -> None:
+        if self.version == "v1":
+            self.dirs = [ROOT / c / PARENT / self.name for c in V1_CONTROLLERS]
+            for d in self.dirs:
+                d.mkdir(parents=True, exist_ok=True)
+            memory, pids = self.dirs
+            if memory_bytes:
+                (memory / "memory.limit_in_bytes").write_text(str(memory_bytes))
+            (pids / "pids.max").write_text(str(pids_max))
+        elif self.version == "v2":
+            parent = _own_v2() / PARENT
+            parent.mkdir(exist_ok=True)
+            (parent.parent / "cgroup.subtree_control").write_text("+memory +pids")
+            (parent / "cgroup.subtree_control").write_text("+memory +pids")
+            d = parent / self.name
+            d.mkdir(exist_ok=True)
+            self.dirs = [d]
+            if memory_bytes:
+                (d / "memory.max").write_text(str(memory_bytes))
+                if (d / "memory.swap.max").exists():  # the bound is on memory, not memory + swap
+                    (d / "memory.swap.max").write_text("0")
+            (d / "pids.max").write_text(str(pids_max))
+        else:
+            raise OSError("no cgroup hierarchy with memory and pids controllers at /sys/fs/cgroup")
+
+    def join(self) -> None:
+        """preexec_fn: move the calling (forked, not yet exec'd) process into the cgroup(s)."""
+        pid = str(os.getpid()).encode()
+        for d in self.dirs:
+            fd = os.open(d / "cgroup.procs", os.O_WRONLY)
+            try:
+                os.write(fd, pid)
+            finally:
+                os.close(fd)
+
+    def pids(self) -> set[int]:
+        found: set[int] = set()
+        for d in self.dirs:
+            try:
+                found |= {int(p) for p in (d / "cgroup.procs").read_text().split()}
+            except OSError:
+                pass
+        return found
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel killed a process of the attempt for its memory bound."""
+        for d in self.dirs:
+            for name, key in (("memory.events", "oom_kill"), ("memory.oom_control", "oom_kill")):
+                try:
+                    for line in (d / name).read_text().splitlines():
+                        k, _, v = line.partition(" ")
+                        if k == key and int(v) > 0:
+                            return True
+                except (OSError, ValueError):
+                    pass
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL everything in it (cgroup.kill on v2; on v1 each process, until none is left)."""
+        if self.version == "v2" and self.dirs and (self.dirs[0] / "cgroup.kill").exists():
+            try:
+                (self.dirs[0] / "cgroup.kill").write_text("1")
+            except OSError:
+                pass
+        for _ in range(50):
+            left = self.pids()
+            if not left:
+                return
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            for _ in range(20):  # the last processes may still be exiting
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.05)
