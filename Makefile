@@ -57,6 +57,7 @@ bench: $(STAMP) services
 	$(PY) bench/auth.py
 	$(PY) bench/scheduler_sim.py
 	$(PY) bench/watch.py
+	$(PY) bench/sandbox.py
 
 clean:
 	rm -rf $(VENV) trainjobs-data

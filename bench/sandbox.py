@@ -1,0 +1,117 @@
+"""What the sandbox costs (worker/sandbox.py): its start per attempt, and the training step inside it vs. outside.
+
+1. Start: the attempt's sandbox made and entered (its cgroup, its folders handed to the job's uid, bwrap's
+   namespaces and mounts, setpriv) around /bin/true, minus /bin/true started plainly; rounds alternate (goal
+   <= 100 ms).
+2. Step time: the built-in runtime on the same spec under the worker's torchrun command line, bare and
+   sandboxed, alternating (B A A B ...), samples/s each (goal: sandboxed / bare >= 0.99).
+
+    python bench/sandbox.py [--start-rounds 40] [--pairs 3]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.settings import Settings  # noqa: E402
+from trainjobs import runenv  # noqa: E402
+from trainjobs.spec import JobSpec  # noqa: E402
+from worker import launch, sandbox  # noqa: E402
+
+JOB_ID = "0123456789abcdef0123"
+SPEC = {
+    "name": "bench-sandbox",
+    "strategy": "ddp",
+    "resources": {"nnodes": 1, "nproc_per_node": 2, "device": "cpu"},
+    "model": {"type": "mlp", "hidden": [256, 256, 256]},
+    "data": {"type": "synthetic_regression", "num_samples": 16384, "batch_size": 64, "input_dim": 64},
+    "optimizer": {"type": "adamw", "lr": 0.001},
+    "train": {"max_steps": 400, "log_every": 10, "seed": 0},
+}
+
+
+def attempt_dirs(root: Path, n: int) -> tuple[Settings, sandbox.Attempt]:
+    settings = Settings(data_dir=root / "data")
+    run_dir = root / "data" / "runs" / JOB_ID / f"attempt-{n}"
+    job_dir = root / "data" / "storage" / "jobs" / JOB_ID
+    for d in (run_dir / "tmp", job_dir / "checkpoints", job_dir / "artifacts"):
+        d.mkdir(parents=True, exist_ok=True)
+    (run_dir / runenv.SPEC_FILE).write_text(JobSpec.model_validate(SPEC).model_dump_json())
+    return settings, sandbox.Attempt(job_id=JOB_ID, run_dir=run_dir, job_dir=job_dir, python=sys.executable,
+                                     data_dir=settings.data_dir, scripts_dir=root / "data" / "scripts")
+
+
+def start_round(root: Path, n: int, support: sandbox.Support, boxed: bool) -> float:
+    settings, attempt = attempt_dirs(root, n)
+    t0 = time.perf_counter()
+    if boxed:
+        box = sandbox.Box(support, settings, attempt, memory_bytes=sandbox.default_memory_bytes())
+        argv, env = box.wrap(["/bin/true"], {"PATH": "/usr/bin:/bin"})
+        subprocess.run(argv, env=env, check=True, preexec_fn=box.preexec)
+        box.close()
+    else:
+        subprocess.run(["/bin/true"], env={"PATH": "/usr/bin:/bin"}, check=True)
+    return time.perf_counter() - t0
+
+
+def train_round(root: Path, n: int, support: sandbox.Support, boxed: bool) -> float:
+    settings, attempt = attempt_dirs(root, n)
+    plan = launch.render(JobSpec.model_validate(SPEC), job_id=JOB_ID, attempt=n, run_dir=attempt.run_dir,
+                         python=sys.executable, data_dir=settings.data_dir, job_dir=attempt.job_dir,
+                         shutdown_grace_s=5, base_env=sandbox.job_env(settings), cpu_count=os.cpu_count() or 1)
+    argv, env, preexec, box = plan.argv, plan.env, None, None
+    if boxed:
+        box = sandbox.Box(support, settings, attempt, memory_bytes=sandbox.default_memory_bytes())
+        argv, env = box.wrap(argv, env)
+        preexec = box.preexec
+    done = subprocess.run(argv, env=env, cwd=attempt.run_dir, capture_output=True, text=True, preexec_fn=preexec,
+                          umask=box.umask if box else -1)
+    if box:
+        box.close()
+    if done.returncode != 0:
+        raise RuntimeError(f"{'sandboxed' if boxed else 'bare'} run exited {done.returncode}:\n{done.stdout[-3000:]}")
+    records = [json.loads(line) for line in (attempt.run_dir / runenv.METRICS_FILE).read_text().splitlines()]
+    return next(r["summary"] for r in records if r["type"] == "summary")["samples_per_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--start-rounds", type=int, default=40)
+    parser.add_argument("--pairs", type=int, default=3)
+    args = parser.parse_args()
+    support = sandbox.detect(Settings())
+    if not support.on:
+        raise SystemExit(f"no sandbox here: {support.why_not}")
+    print(f"# {support.describe()}")
+    with tempfile.TemporaryDirectory(prefix="trainjobs-bench-sandbox-") as tmp:
+        root = Path(tmp)
+        plain, boxed = [], []
+        for i in range(args.start_rounds):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            for b in order:
+                (boxed if b else plain).append(start_round(root, 1000 + 2 * i + b, support, b))
+        extra = [1000 * (b - p) for b, p in zip(boxed, plain, strict=True)]
+        print(f"start: sandbox made and entered around /bin/true, {args.start_rounds} alternating rounds: "
+              f"median {1000 * statistics.median(boxed):.1f} ms vs plain {1000 * statistics.median(plain):.1f} ms, "
+              f"added median {statistics.median(extra):.1f} ms, max {max(extra):.1f} ms (goal <= 100 ms)")
+        ratios = []
+        for i in range(args.pairs):
+            order = (True, False) if i % 2 == 0 else (False, True)
+            rate = {b: train_round(root, 10 + 2 * i + b, support, b) for b in order}
+            ratios.append(rate[True] / rate[False])
+            print(f"pair {i + 1} ({'sandboxed first' if order[0] else 'bare first'}): bare {rate[False]:.0f}, "
+                  f"sandboxed {rate[True]:.0f} samples/s, ratio {ratios[-1]:.3f}")
+        print(f"step rate sandboxed / bare: median {statistics.median(ratios):.3f}, geometric mean "
+              f"{statistics.geometric_mean(ratios):.3f} over {args.pairs} pairs (goal >= 0.99)")
+
+
+if __name__ == "__main__":
+    main()
