@@ -5,12 +5,14 @@ import hmac
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import DatabaseError
 from sqlalchemy.orm import Session
 
 from service.auth.models import ApiToken, User
@@ -25,6 +27,8 @@ ADMIN_USER = "admin"
 Role = Literal["admin", "user"]
 ROLES = ("admin", "user")
 TOUCH_EVERY = timedelta(seconds=60)  # last_used_at is written at most this often per token
+TOUCH_WARN_EVERY_S = 300.0  # a full disk fails every touch: one warning per this, not one per request
+_last_touch_warning = float("-inf")  # time.monotonic() of the last such warning
 
 
 @dataclass(frozen=True)
@@ -92,11 +96,33 @@ def authenticate(db: Session, secret: str) -> Principal | None:
     now = utcnow()
     if row.revoked_at is not None or (row.expires_at is not None and row.expires_at <= now):
         return None
+    principal = Principal(user=row.user, role=row.role, token_id=row.id,
+                          can_run_entrypoints=row.role == "admin" or bool(owner_may_run), expires_at=row.expires_at)
     if row.last_used_at is None or now - row.last_used_at > TOUCH_EVERY:
-        db.execute(update(ApiToken).where(ApiToken.id == row.id).values(last_used_at=now))
+        touch(db, token_id=row.id, now=now)
+    return principal
+
+
+def touch(db: Session, *, token_id: str, now: datetime) -> None:
+    """Write the token's last_used_at, best effort: a read never needs a write."""
+    # NOTE: on a full disk or a read-only database every write fails while reads still work; a failed touch
+    # must not turn every request into a 503, so it is rolled back and skipped (last_used_at is a hint).
+    try:
+        db.execute(update(ApiToken).where(ApiToken.id == token_id).values(last_used_at=now))
         db.commit()
-    return Principal(user=row.user, role=row.role, token_id=row.id,
-                     can_run_entrypoints=row.role == "admin" or bool(owner_may_run), expires_at=row.expires_at)
+    except DatabaseError as exc:
+        db.rollback()
+        _warn_touch_failed(exc)
+
+
+def _warn_touch_failed(exc: DatabaseError) -> None:
+    global _last_touch_warning
+    if time.monotonic() - _last_touch_warning < TOUCH_WARN_EVERY_S:
+        return
+    _last_touch_warning = time.monotonic()  # NOTE: racy across threads; at worst a second warning
+    log.warning("could not record a token's last use (skipped; tokens still work): %s; a full disk or a "
+                "read-only database? (this warning repeats at most every %.0f s)", exc.orig or exc,
+                TOUCH_WARN_EVERY_S)
 
 
 def visible(db: Session, principal: Principal) -> list[ApiToken]:

@@ -189,16 +189,18 @@ class Stack:
     # NOTE: a live API process that is still importing is not a failure (a dead one fails at once, check_alive):
     # on a busy machine (a CI box running tests side by side) its start alone can take more than 30 s.
     def _wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
+        deadline, why = time.monotonic() + timeout, "no answer"
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                if httpx.get(f"{self.api_url}/readyz", timeout=1).status_code == 200:
+                answer = httpx.get(f"{self.api_url}/readyz", timeout=1)
+                if answer.status_code == 200:
                     return
+                why = answer.text  # /readyz names what is wrong (a full disk, Redis out of reach)
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"the API at {self.api_url} did not become ready in {timeout:.0f}s")
+        raise RuntimeError(f"the API at {self.api_url} did not become ready in {timeout:.0f}s: {why}")
 
     def check_alive(self) -> None:
         for name, proc in self.procs:
