@@ -25,7 +25,7 @@ from worker.shipping import LogShipper
 from worker.supervisor import Supervisor
 
 
-def test_log_is_one_byte_stream_that_survives_split_utf8_and_is_capped(settings):
+def test_log_is_one_byte_stream_that_survives_split_utf8_and_keeps_its_head_and_tail_over_its_cap(settings):
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
     with sessions() as db:
@@ -48,11 +48,12 @@ def test_log_is_one_byte_stream_that_survives_split_utf8_and_is_capped(settings)
         second.write(db)
         db.commit()
         second.committed()
-        second.stage(b"more")
+        assert logs.read(db, job_id=job_id)[0] == "a☃b\n".encode() + b"x" * 29  # the head of its 58 bytes' room
+        second.stage(b"more", final=True)
         second.write(db)
         data, end = logs.read(db, job_id=job_id)
-        assert data.startswith("a☃b\n".encode() + b"x" * 58) and data.endswith(b"log truncated at 64 bytes\n")
-        assert b"more" not in data
+        assert data == ("a☃b\n".encode() + b"x" * 29 + b"\n[trainjobs] ... 46 bytes of output cut here "
+                        b"(log cap TRAINJOBS_LOG_MAX_BYTES=64) ...\n" + b"x" * 25 + b"more")
         assert logs.read(db, job_id=job_id, offset=end - 5) == (data[-5:], end)
     engine.dispose()
 

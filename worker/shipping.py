@@ -5,6 +5,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,23 +39,52 @@ def storable_json(value):
     return value
 
 
-class OutputPump:
-    """Reads torchrun's merged stdout/stderr on a thread, so the pipe never fills and blocks training."""
+PUMP_MAX_PENDING = 8 * 2**20  # bytes an OutputPump holds untaken; past it the oldest go, so the tail survives
+READ_BYTES = 65536
+UTF8_CONTINUATION = range(0x80, 0xC0)
 
-    def __init__(self, fd: int):
+
+def dropped_marker(dropped: int) -> bytes:
+    return f"\n[trainjobs] {dropped} bytes of output dropped while the log could not keep up\n".encode()
+
+
+class OutputPump:
+    """Reads torchrun's merged stdout/stderr on a thread, so the pipe never fills and blocks training.
+
+    It holds at most `max_pending` bytes untaken (plus one read): a burst of output or a stalled database
+    never grows the worker's memory past that. Past the bound the oldest bytes go, so the newest (a traceback)
+    survive; take() then starts with a line saying how many were dropped.
+    """
+
+    def __init__(self, fd: int, *, max_pending: int = PUMP_MAX_PENDING):
         # Its own copy of the pipe's end: should it be given up on (wait_closed), the caller may close the
         # original, and the reader never reads a number that now names another file.
-        self._fd, self._lock, self._pending = os.dup(fd), threading.Lock(), bytearray()
+        self._fd, self._lock, self.max_pending = os.dup(fd), threading.Lock(), max_pending
+        self._chunks: deque[bytes] = deque()  # chunks, not one bytearray: dropping the oldest moves no bytes
+        self._size, self._dropped = 0, 0
         self._thread = threading.Thread(target=self._read, name="output-pump", daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
         try:
-            while data := os.read(self._fd, 65536):
+            while data := os.read(self._fd, READ_BYTES):
                 with self._lock:
-                    self._pending += data
+                    self._chunks.append(data)
+                    self._size += len(data)
+                    self._drop_oldest(self._size - self.max_pending)
         finally:
             os.close(self._fd)
+
+    def _drop_oldest(self, excess: int) -> None:
+        """Drop `excess` bytes from the front, and the rest of a UTF-8 character they cut into."""
+        while excess > 0 or (self._dropped and self._chunks and self._chunks[0][0] in UTF8_CONTINUATION):
+            first = self._chunks[0]
+            n = len(first) if excess >= len(first) else max(excess, 1)
+            if n == len(first):
+                self._chunks.popleft()
+            else:
+                self._chunks[0] = first[n:]
+            self._size, self._dropped, excess = self._size - n, self._dropped + n, excess - n
 
     def wait_closed(self, give_up_s: float, every_s: float, meanwhile: Callable[[], object]) -> bool:
         """Wait until every writer has closed the pipe, calling `meanwhile` (the supervisor ships and renews its
@@ -68,16 +98,24 @@ class OutputPump:
         return True
 
     def take(self) -> bytes:
+        """What was read since the last take, after a line saying how many bytes were dropped, if any were."""
         with self._lock:
-            data, self._pending = bytes(self._pending), bytearray()
-        return data
+            chunks, dropped = self._chunks, self._dropped
+            self._chunks, self._size, self._dropped = deque(), 0, 0
+        return (dropped_marker(dropped) if dropped else b"") + b"".join(chunks)
 
 
 class LogShipper:
-    """Appends output to the job's log, up to a cap per job.
+    """Appends output to the job's log, up to a cap per job, keeping the head and the tail of what is over it.
 
     write() adds to the open transaction; committed() moves on only once it is stored,
     so a failed commit loses nothing: the next write() sends the same text again.
+
+    Of the room the cap leaves this attempt, the first half (the head) is shipped as it comes. Past it the
+    shipper keeps only the newest bytes, up to the other half (the tail), in memory: stored chunks cannot be
+    un-written, so the tail is stored once the run has ended (a final=True stage), after a line saying how many
+    bytes were cut between the two. NOTE: so a log over half its room shows nothing new live past the head until
+    the end; then its last part, with the traceback a failed run printed last.
     """
 
     def __init__(self, db: Session, *, job_id: str, attempt: int, max_bytes: int, node_rank: int = 0):
@@ -87,7 +125,13 @@ class LogShipper:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.pending = ""
         self._written = 0
-        self.truncated = False
+        room = max(0, max_bytes - self.offset)
+        self._head_left, self._tail_left = room // 2, room - room // 2
+        self.truncated = False  # past the head: output goes to the tail
+        self._tail, self._cut = bytearray(), 0  # the newest output past the head (UTF-8), and the bytes cut
+        self._ending = False  # a final=True stage came: write() stores the tail
+        self._tail_sent = False  # the write() in the open transaction holds the tail
+        self._at_line_start = True
         self.recent = ""  # the last few KiB, for error excerpts
         self.redact = Redactor(os.environ)  # the worker's secrets, should a rank print them
         self.nul_bytes = 0  # NUL bytes of output stored as U+FFFD
@@ -98,25 +142,70 @@ class LogShipper:
             self.nul_bytes += text.count(NUL)
             text = text.replace(NUL, REPLACEMENT)
         self.recent = self.redact((self.recent + text)[-8192:])
-        if not self.truncated:
-            self.pending += text
-
-    def write(self, db: Session) -> None:
-        if not self.pending:
+        self._ending = self._ending or final
+        if self.truncated:
+            self._keep_tail(text.encode())
             return
+        self.pending += text
+        if len(self.pending) > self._head_left:  # past the head (a character is a byte or more): bound it now
+            self._split_head()
+
+    def _split_head(self) -> None:
+        """Keep in `pending` what fits the head; the rest goes to the tail."""
         # Over the whole batch, so a secret split across two reads is whole here.
         self.pending = self.redact(self.pending)
-        text, room = self.pending, self.max_bytes - self.offset
-        self.truncated = len(text.encode()) > room
-        if self.truncated:  # keep what fits, say so once, and store nothing after it
-            text = text.encode()[: max(0, room)].decode(errors="ignore")
-            text += f"\n[trainjobs] log truncated at {self.max_bytes} bytes\n"
+        data = self.pending.encode()
+        if len(data) <= self._head_left:
+            return
+        self.pending = data[: self._head_left].decode(errors="ignore")
+        self.truncated = True
+        self._keep_tail(data[len(self.pending.encode()):])
+
+    def _keep_tail(self, data: bytes) -> None:
+        """Add to the tail, dropping its oldest bytes past the tail's room (counted as cut)."""
+        if len(data) >= self._tail_left:
+            self._cut += len(self._tail) + len(data) - self._tail_left
+            self._tail = bytearray(data[len(data) - self._tail_left:])
+            return
+        self._tail += data
+        if (excess := len(self._tail) - self._tail_left) > 0:
+            del self._tail[:excess]
+            self._cut += excess
+
+    def _tail_text(self) -> str:
+        """The marker line (when bytes were cut) and the tail, starting on a whole line where one starts soon."""
+        data, cut = bytes(self._tail), self._cut
+        if cut and 0 <= (i := data.find(b"\n", 0, 4096)) < len(data) - 1:
+            data, cut = data[i + 1:], cut + i + 1
+        text = data.decode(errors="ignore")  # a character the cut split in two
+        cut += len(data) - len(text.encode())
+        if not cut:
+            return self.redact(text)
+        marker = (f"[trainjobs] ... {cut} bytes of output cut here "
+                  f"(log cap TRAINJOBS_LOG_MAX_BYTES={self.max_bytes}) ...\n")
+        head_open = not (self.pending.endswith("\n") if self.pending else self._at_line_start)
+        return ("\n" if head_open else "") + marker + self.redact(text)
+
+    def write(self, db: Session) -> None:
+        self._split_head()
+        text = self.pending
+        if self.truncated and self._ending and (self._tail or self._cut):
+            self._tail_sent = True
+            text += self._tail_text()
+        if not text:
+            return
         self._written = logs.append(db, job_id=self.job_id, attempt=self.attempt, start=self.offset,
                                     seq=self.seq, text=text, node_rank=self.node_rank)
 
     def committed(self) -> None:
-        if self._written:
-            self.offset, self.seq, self._written, self.pending = self.offset + self._written, self.seq + 1, 0, ""
+        if not self._written:
+            return
+        self._head_left -= len(self.pending.encode())
+        if self._tail_sent:  # stored: what comes after (a note of the worker's) has the tail's room left
+            self._tail_left = max(0, self._tail_left - len(self._tail))
+            self._tail, self._cut, self._tail_sent = bytearray(), 0, False
+        self._at_line_start = self.pending.endswith("\n") if self.pending else self._at_line_start
+        self.offset, self.seq, self._written, self.pending = self.offset + self._written, self.seq + 1, 0, ""
 
 
 class MetricTail:
