@@ -106,6 +106,7 @@ def network():
 
 def test_a_two_node_job_runs_across_two_network_namespaces(network, postgres_url, tmp_path):
     pg, rd = make_url(POSTGRES_URL), urlparse(REDIS_URL)
+    auth = f"{rd.username or ''}:{rd.password}@" if rd.password else ""  # the tests' Redis asks for one
     forwards = [Forward(f"{SUBNET}.254", (pg.host, pg.port or 5432)),
                 Forward(f"{SUBNET}.254", (rd.hostname, rd.port or 6379))]
     try:
@@ -115,7 +116,7 @@ def test_a_two_node_job_runs_across_two_network_namespaces(network, postgres_url
                 env = {**stack.env(), "GLOO_SOCKET_IFNAME": ifname,  # gloo's own connections stay on that link
                        "TRAINJOBS_DATABASE_URL": pg.set(host=f"{SUBNET}.254", port=forwards[0].port)
                        .render_as_string(hide_password=False),
-                       "TRAINJOBS_REDIS_URL": f"redis://{SUBNET}.254:{forwards[1].port}{rd.path}"}
+                       "TRAINJOBS_REDIS_URL": f"redis://{auth}{SUBNET}.254:{forwards[1].port}{rd.path}"}
                 argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "worker.main", "--slots", "1"]
                 stack.procs.append((f"worker-{ns}", subprocess.Popen(argv, env=env)))
             listed = wait_for(lambda: len(items := api.get("/v1/workers").json()["items"]) == 2 and items, 30,

@@ -241,6 +241,7 @@ class Supervisor:
                                 final=True)
                 self._drain(None)
             box.close()
+            procs.reap()  # the sandbox's own processes, re-parented to this subreaper when bwrap's first one ended
             proc.stdout.close()
             self.watch.close()
             shutil.rmtree(self.run_dir / "tmp", ignore_errors=True)
