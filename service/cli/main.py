@@ -148,13 +148,27 @@ def cmd_cancel(args, client: Client) -> int:
 
 
 def cmd_db(args, settings: Settings) -> int:
+    from alembic.util import CommandError
+
     from service import migrate
 
+    if args.action == "downgrade" and not args.revision:
+        console.print("[red]trainjobs db downgrade needs a revision: a number such as 0016, or -1 for one step")
+        return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # the default SQLite file lives there
-    migrate.upgrade(settings.resolved_database_url)
+    url = settings.resolved_database_url
+    try:
+        if args.action == "upgrade":
+            migrate.upgrade(url, args.revision or "head")
+        else:
+            migrate.downgrade(url, args.revision)
+    except CommandError as exc:  # an unknown revision, or one on the wrong side of the current one
+        console.print(f"[red]trainjobs db {args.action}: {exc}")
+        return 2
+    revision = migrate.current(url)
     if args.json:
-        return print_json({"database_url": settings.resolved_database_url, "revision": "head"})
-    console.print(f"database at head: {settings.resolved_database_url}")
+        return print_json({"database_url": url, "revision": revision})
+    console.print(f"database at revision {revision}: {url}")
     return 0
 
 
@@ -253,7 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("file", nargs="?", default="examples/ddp-mlp.json")
     demo.set_defaults(local=cmd_demo)
     db = sub.add_parser("db", help="database maintenance")
-    db.add_argument("action", choices=["upgrade"])
+    db.add_argument("action", choices=["upgrade", "downgrade"])
+    db.add_argument("revision", nargs="?", help="upgrade: default head; downgrade: a revision (0016) or -1. A "
+                    "downgrade drops what later revisions added (their columns' data included): back up first, and "
+                    "stop the API and workers (they expect head)")
     db.add_argument("--json", action="store_true", help="the database URL and revision as JSON")
     db.set_defaults(local=cmd_db)
     submit = sub.add_parser("submit", help="submit a job spec (JSON or YAML)")
