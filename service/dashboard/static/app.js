@@ -224,11 +224,15 @@ function jobsView(query) {
     $("page-prev").disabled = listState.cursors.length < 2;
     $("page-no").textContent = `page ${listState.cursors.length}`;
   };
+  // NOTE: the table may show another URL's answer (a filter just left): a 304 for this one (its copy unchanged
+  // since we last asked) must still be drawn, or going back to a filter keeps the other filter's rows.
+  let shown = null;
   const restart = () => {
     stop();
     stop = every(2000, async () => {
-      const { body, changed } = await getJson(pageUrl());
-      if (changed) render(body);
+      const url = pageUrl();
+      const { body, changed } = await getJson(url);
+      if (changed || shown !== url) { render(body); shown = url; }
       for (const cell of document.querySelectorAll("#jobs-table td.age")) cell.textContent = ago(cell.dataset.time);
     });
   };
