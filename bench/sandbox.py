@@ -21,21 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.throughput import SPEC as THROUGHPUT_SPEC  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from trainjobs import runenv  # noqa: E402
 from trainjobs.spec import JobSpec  # noqa: E402
 from worker import launch, sandbox  # noqa: E402
 
 JOB_ID = "0123456789abcdef0123"
-SPEC = {
-    "name": "bench-sandbox",
-    "strategy": "ddp",
-    "resources": {"nnodes": 1, "nproc_per_node": 2, "device": "cpu"},
-    "model": {"type": "mlp", "hidden": [256, 256, 256]},
-    "data": {"type": "synthetic_regression", "num_samples": 16384, "batch_size": 64, "input_dim": 64},
-    "optimizer": {"type": "adamw", "lr": 0.001},
-    "train": {"max_steps": 400, "log_every": 10, "seed": 0},
-}
+SPEC = {**THROUGHPUT_SPEC, "name": "bench-sandbox"}  # the same job the service-overhead bench runs
 
 
 def attempt_dirs(root: Path, n: int) -> tuple[Settings, sandbox.Attempt]:
