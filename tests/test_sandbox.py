@@ -252,3 +252,22 @@ def test_the_workers_say_what_they_enforce_and_a_job_may_require_the_sandbox(sta
         assert labels["trainjobs.io/sandbox-cgroup"] in ("v1", "v2", "none")
         assert labels["trainjobs.io/redis-auth"] in ("password", "none")
     assert job["status"] == "succeeded"
+
+
+def test_an_attempts_cgroup_left_by_a_killed_work_horse_is_swept_and_a_live_ones_kept():
+    from worker import cgroups
+
+    if sandbox.detect(Settings()).cgroup is None:
+        pytest.skip("this worker cannot make cgroups")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid, live_pid = int(gone.stdout), os.getpid()
+    stale, live = cgroups.Attempt(f"tj-test-stale-{dead_pid}"), cgroups.Attempt(f"tj-test-live-{live_pid}")
+    try:
+        for group in (stale, live):
+            group.create(memory_bytes=2**30, pids_max=64)
+        removed = cgroups.sweep_stale()
+        assert stale.name in removed and not any(d.exists() for d in stale.dirs)
+        assert live.name not in removed and all(d.exists() for d in live.dirs)
+    finally:
+        stale.remove()
+        live.remove()

@@ -48,6 +48,49 @@ def _own_v2() -> Path:
     raise OSError("no cgroup v2 entry in /proc/self/cgroup")
 
 
+def sweep_stale() -> list[str]:
+    """Remove the empty cgroups of attempts whose work-horse is gone (killed, or the kernel was slow to let the
+    folder go): each is named after its horse's pid. Returns the names removed."""
+    removed = []
+    for parent in _parents():
+        try:
+            children = [d for d in parent.iterdir() if d.is_dir()]
+        except OSError:
+            continue
+        for d in children:
+            pid = d.name.rpartition("-")[2]
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+            try:
+                if not (d / "cgroup.procs").read_text().split():
+                    d.rmdir()
+                    removed.append(d.name)
+            except OSError:
+                pass  # a process still in it, or going: the next sweep
+    return removed
+
+
+def _parents() -> list[Path]:
+    if version() == "v1":
+        return [ROOT / c / PARENT for c in V1_CONTROLLERS]
+    if version() == "v2":
+        try:
+            return [_own_v2() / PARENT]
+        except OSError:
+            return []
+    return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Attempt:
     """One attempt's cgroup(s): make it, put the launcher in it (before exec), kill and remove it at the end."""
 

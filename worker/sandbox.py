@@ -366,6 +366,7 @@ class Box:
         self.cgroup: cgroups.Attempt | None = None
         self.memory_bytes = settings.job_memory_bytes or memory_bytes
         if support.cgroup:
+            cgroups.sweep_stale()  # an earlier attempt's, whose work-horse was killed before it removed its own
             group = cgroups.Attempt(f"{attempt.job_id}-{attempt.run_dir.name}-{os.getpid()}")
             try:
                 group.create(memory_bytes=self.memory_bytes, pids_max=settings.job_pids_max)
