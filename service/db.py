@@ -14,6 +14,15 @@ from sqlalchemy.types import TypeDecorator
 UNREACHABLE = (OperationalError, InterfaceError)
 CONNECT_TIMEOUT_S = 5
 LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL's SQLSTATE for a lock_timeout that ran out
+# SQLSTATE classes PostgreSQL raises as OperationalError for a statement it refuses, not an outage: 54 (a program
+# limit, e.g. "stack depth limit exceeded" for a long IN list) and 22 (a data exception psycopg maps there).
+REFUSED_CLASSES = ("54", "22")
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """An error among UNREACHABLE that is the database refusing a statement: retrying it the same way fails again."""
+    state = getattr(getattr(exc, "orig", None), "sqlstate", None) or ""
+    return isinstance(exc, OperationalError) and state[:2] in REFUSED_CLASSES
 
 log = logging.getLogger(__name__)
 

@@ -72,6 +72,15 @@ class Settings(BaseSettings):
     lease_s: float = Field(10.0, gt=0, description="how long an attempt's lease lasts without renewal")
     heartbeat_s: float = Field(2.0, gt=0, description="how often a running attempt renews its lease")
     log_max_bytes: int = Field(16 * 2**20, ge=1024, description="log bytes kept per job")
+    # What one job (one node of a gang) may store of metrics; past each cap the rest is counted, not stored, and the
+    # job carries a note saying so (worker/shipping.py MetricTail). Never a failure.
+    metric_max_points: int = Field(2_000_000, ge=1, description="metric points kept per job")
+    metric_max_names: int = Field(1_000, ge=1, description="distinct metric names per job; new ones past it are "
+                                  "refused")
+    metric_name_max_chars: int = Field(64, ge=1, le=64, description="a metric name's length; longer ones are "
+                                       "refused (64: the database's column)")
+    metric_max_points_per_s: float = Field(20_000.0, ge=10, description="points shipped per second per job; a "
+                                           "job that reports faster is thinned while it is behind")
     # Hang detection (a job's spec.hang overrides each): no new step (or, before the first, no new output)
     # for max(hang_min_s, hang_factor × the median step time) is a hang.
     hang_min_s: float = Field(300.0, gt=0)

@@ -22,7 +22,7 @@ from trainjobs.states import JobStatus
 from worker import shipping
 from worker.launch import Gang
 from worker.shipping import LogShipper
-from worker.supervisor import Supervisor
+from worker.supervisor import Shipped, Supervisor
 
 
 def test_log_is_one_byte_stream_that_survives_split_utf8_and_keeps_its_head_and_tail_over_its_cap(settings):
@@ -175,34 +175,45 @@ def test_a_nul_byte_or_a_nan_metric_is_stored_sanitized_and_the_job_succeeds(set
     engine.dispose()
 
 
-def test_a_batch_the_database_refuses_still_renews_the_lease(settings, tmp_path, monkeypatch):
-    """Data and lease commit together; when the data fails, the lease is renewed on its own and the data follows."""
+def test_a_batch_the_database_refuses_costs_neither_the_lease_nor_the_log_and_alone_is_given_up_with_a_note(
+        settings, tmp_path, monkeypatch):
+    """The lease is renewed on its own thread, never with the data: a refused ship leaves it alone. The next ship
+    sends the log and the metrics apart; a metric batch the database refuses on its own is given up and counted in
+    the job's note, so it holds back neither the log nor the batches after it."""
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
     spec = JobSpec.model_validate(mlp_spec())
     job_id = start_attempt(sessions, spec)
-    with sessions() as db:
-        db.execute(update(Attempt).values(lease_expires_at=utcnow() + timedelta(seconds=1)))
-        db.commit()
     sup = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=1, spec=spec, run_dir=tmp_path)
     with sessions() as db:
         sup.logs = LogShipper(db, job_id=job_id, attempt=1, max_bytes=1 << 20)
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"type": "metrics", "step": 1, "time": time.time(),
-                                                        "metrics": {"loss": 1.0}}) + "\n")
+    metrics_file = tmp_path / "metrics.jsonl"
+    metrics_file.write_text(json.dumps({"type": "metrics", "step": 1, "time": time.time(),
+                                        "metrics": {"loss": 1.0}}) + "\n")
+    sup.logs.stage(b"hello\n")
 
     def refuse(*args, **kwargs):
         raise DataError("refused", None, Exception("a value the database refuses"))
 
     with monkeypatch.context() as m:
         m.setattr(shipping.metrics, "insert_batch", refuse)
-        sup._ship(_NoOutput())
+        assert sup._ship(_NoOutput()) is Shipped.REFUSED  # log and metrics together: refused
+        with sessions() as db:
+            assert logs.read(db, job_id=job_id)[0] == b""
+        with sessions() as db:  # the lease, on its own: untouched by the refusal
+            db.execute(update(Attempt).values(lease_expires_at=utcnow() + timedelta(seconds=1)))
+            db.commit()
+        assert sup.lease.renew() and not sup.lease_lost
+        with sessions() as db:
+            assert db.scalar(select(Attempt.lease_expires_at)) > utcnow() + timedelta(seconds=settings.lease_s - 2)
+        assert sup._ship(_NoOutput()) is Shipped.STORED  # apart: the log is stored, the refused batch given up
+    with open(metrics_file, "a") as f:
+        f.write(json.dumps({"type": "metrics", "step": 2, "time": time.time(), "metrics": {"loss": 0.5}}) + "\n")
+    sup._ship(_NoOutput())  # the batches after it are stored as usual
     with sessions() as db:
-        lease = db.scalar(select(Attempt.lease_expires_at))
-        assert lease > utcnow() + timedelta(seconds=settings.lease_s - 2) and not sup.lease_lost
-        assert metrics.read_series(db, job_id=job_id) == []
-    sup._ship(_NoOutput())  # the database takes it now: nothing was lost meanwhile
-    with sessions() as db:
-        assert metrics.read_series(db, job_id=job_id) == [{"name": "loss", "steps": [1], "values": [1.0]}]
+        assert logs.read(db, job_id=job_id)[0] == b"hello\n"
+        assert metrics.read_series(db, job_id=job_id) == [{"name": "loss", "steps": [2], "values": [0.5]}]
+    assert sup.metrics.note() == "kept 1 of 2 metric points; 1 in a batch the database refused"
     engine.dispose()
 
 
@@ -239,8 +250,8 @@ def test_a_worker_cut_off_from_the_database_stops_its_ranks_once_its_lease_runs_
                                 if (p.info["environ"] or {}).get(RUN_TAG_ENV) == sup.tag])
         sessions.out = False
 
-    def ship_then_cut(pump):
-        shipped = real_ship(pump)
+    def ship_then_cut(pump, **kwargs):
+        shipped = real_ship(pump, **kwargs)
         if not sessions.out and not ranks_at_return and not hasattr(sup, "_cut"):
             sup._cut = threading.Timer(8.0, back)  # after the first renewal: the database goes away
             sup._cut.start()

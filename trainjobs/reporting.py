@@ -16,6 +16,7 @@ Never imports torch: a tensor metric is fine (float() is taken), but importing t
 """
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = ["artifacts_dir", "checkpoint_dir", "report", "summary"]
 
 _open: tuple[str | None, Reporter] | None = None  # (the path it writes to, the reporter)
 _total: int | None = None
+_warned: set[str] = set()  # names over METRIC_NAME_MAX already warned about
 
 
 def _reporter() -> Reporter:
@@ -52,8 +54,11 @@ def report(step: int, *, total_steps: int | None = None, **metrics: float) -> No
     global _total
     if not is_step(step):
         raise ValueError(f"step must be an int from 0 to {STEP_MAX - 1}, got {step!r}")
-    if too_long := [name for name in metrics if len(name) > METRIC_NAME_MAX]:
-        raise ValueError(f"metric names are at most {METRIC_NAME_MAX} characters: {too_long[0]!r}")
+    for name in metrics:
+        if len(name) > METRIC_NAME_MAX and name not in _warned:  # the service refuses it, and says so in the job
+            _warned.add(name)
+            warnings.warn(f"trainjobs.report: metric names are at most {METRIC_NAME_MAX} characters; {name!r} is "
+                          "not stored", stacklevel=2)
     reporter = _reporter()
     if total_steps is not None and total_steps != _total:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or not 0 < total_steps < STEP_MAX:

@@ -7,6 +7,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from service.logs import service as logs
 from service.metrics import service as metrics
-from trainjobs.runenv import parse_record
+from trainjobs.runenv import METRIC_NAME_MAX, parse_record
 from worker.redact import Redactor
 
 RANK_SERIES = "step_time_s/rank"  # worker/train/own_time.py's (not imported: it loads torch)
@@ -208,11 +209,70 @@ class LogShipper:
         self.offset, self.seq, self._written, self.pending = self.offset + self._written, self.seq + 1, 0, ""
 
 
-class MetricTail:
-    """Reads complete JSON lines that the reporter appended since the last committed read."""
+@dataclass(frozen=True)
+class MetricCaps:
+    """What one job (one node of a gang) may store of metrics (the TRAINJOBS_METRIC_* settings)."""
 
-    def __init__(self, path: Path):
+    max_points: int = 2_000_000
+    max_names: int = 1_000
+    name_max_chars: int = METRIC_NAME_MAX
+    rows_per_ship: int = 10_000  # the rate bound: points per second × the supervisor's poll
+
+    @classmethod
+    def of(cls, settings) -> "MetricCaps":
+        return cls(max_points=settings.metric_max_points, max_names=settings.metric_max_names,
+                   name_max_chars=settings.metric_name_max_chars,
+                   rows_per_ship=max(100, int(settings.metric_max_points_per_s * settings.poll_s)))
+
+
+READ_MAX = 4 * 2**20  # bytes of the metrics file read per ship
+THIN_BACKLOG = 4 * READ_MAX  # unread bytes past which the step records read are thinned
+
+
+@dataclass
+class Counts:
+    """What a job's metric lines held that was not stored as written (committed counts)."""
+
+    renamed: int = 0  # values whose name held NUL (stored under U+FFFD)
+    dropped: int = 0  # non-finite values
+    first_dropped: tuple[str, int, float] | None = None  # (name, step, value) of the first non-finite one
+    over_points: int = 0  # points past max_points
+    thinned: int = 0  # points left out while the job reported faster than rows_per_ship
+    long_names: int = 0  # points under a name longer than name_max_chars
+    first_long: str | None = None
+    new_names: int = 0  # points under a new name past max_names
+    first_new: str | None = None
+    long_lines: int = 0  # lines longer than READ_MAX (skipped whole)
+    refused: int = 0  # points of a batch the database refused on its own (given up)
+
+    def add(self, other: "Counts") -> None:
+        for name, value in vars(other).items():
+            if isinstance(value, int):
+                setattr(self, name, getattr(self, name) + value)
+            elif getattr(self, name) is None:
+                setattr(self, name, value)
+
+    @property
+    def capped(self) -> int:
+        return self.over_points + self.thinned + self.long_names + self.new_names + self.refused
+
+
+class MetricTail:
+    """Reads complete JSON lines that the reporter appended since the last committed read, in bounded batches.
+
+    Each write() reads at most READ_MAX bytes and stores at most caps.rows_per_ship points (the rest waits in the
+    file, on the run dir's disk, for the next one: `more`); while more than THIN_BACKLOG bytes wait, it keeps one
+    step record in k and counts the others as thinned, so a job that reports faster than the service ingests
+    neither grows the worker's memory nor holds its end for long. Per job: at most max_points points and
+    max_names names, each name at most name_max_chars; what is past a cap is counted (`counts`), never stored and
+    never a failure. known_names and points: what earlier attempts stored (Supervisor reads them).
+    """
+
+    def __init__(self, path: Path, caps: MetricCaps | None = None, *, known_names: set[str] | None = None,
+                 points: int = 0):
         self.path, self.pos, self._next_pos = path, 0, 0
+        self.caps = caps or MetricCaps()
+        self.names, self.points = set(known_names or ()), points
         self.summary: dict | None = None
         self.last_step, self.last_step_time_s = 0, None
         self.total_steps: int | None = None  # from an entrypoint's report(total_steps=...)
@@ -220,26 +280,46 @@ class MetricTail:
         self.preempted_at_step: int | None = None  # the runtime stopped there on request (checkpoint saved)
         self._last_time: float | None = None
         self._timed = False  # the built-in runtime reports step_time_s; a user's script usually does not
-        # What could not be stored as written (committed counts; a failed commit's batch is read again).
-        self.renamed, self.dropped = 0, 0  # metric names with NUL (U+FFFD now); non-finite values not stored
-        self.first_dropped: tuple[str, int, float] | None = None  # (name, step, value) of the first dropped
-        self._changes = (0, 0, None)
+        self.counts = Counts()
+        self._staged = (Counts(), set(), 0, 0)  # this write's counts, new names, points, rows
+        self.more = False  # write() left lines in the file for the next one
+        self._skipping = False  # inside a line longer than READ_MAX: its rest is skipped
+        self._records = 0  # step records read, for thinning
         # Each log window's own step time per rank (the runtime's step_time_s/rank<r>), once committed.
         self.rank_windows: list[dict[int, float]] = []
         self._rank_staged: list[dict[int, float]] = []
 
-    def write(self, db: Session, *, job_id: str, attempt: int, node_rank: int = 0) -> int:
+    def _read(self) -> tuple[bytes, int]:
+        """The next complete lines (at most READ_MAX bytes) and how many bytes wait after them."""
         try:
             with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 f.seek(self.pos)
-                data = f.read()
+                data = f.read(READ_MAX)
         except FileNotFoundError:
-            return 0
+            return b"", 0
+        return data, size - self.pos - len(data)
+
+    def write(self, db: Session, *, job_id: str, attempt: int, node_rank: int = 0) -> int:
+        data, waiting = self._read()
+        counts, new_names, rows = Counts(), set(), []
+        skip = 0
+        if self._skipping or (data and b"\n" not in data and len(data) == READ_MAX):  # (the rest of) a huge line
+            newline = data.find(b"\n")
+            if newline < 0:
+                self._next_pos, self.more, self._skipping = self.pos + len(data), waiting > 0, True
+                self._staged = (counts, new_names, 0, 0)
+                return 0
+            skip, self._skipping = newline + 1, False
+            counts.long_lines += 1
         end = data.rfind(b"\n") + 1
-        self._next_pos = self.pos + end
-        rows, self._rank_staged = [], []
-        renamed, dropped, first = 0, 0, self.first_dropped
-        for line in data[:end].splitlines():
+        self._next_pos, self.more = self.pos + end, waiting > 0  # (a last line without its newline: not yet)
+        stride = 1 + waiting // THIN_BACKLOG
+        records = self._records
+        self._rank_staged = []
+        offset = skip
+        for line in data[skip:end].splitlines(keepends=True):
+            offset += len(line)
             record = parse_record(line)
             if record is None:
                 continue
@@ -255,40 +335,99 @@ class MetricTail:
             if record["type"] == "preempted":
                 self.preempted_at_step = record["step"]
                 continue
-            t = datetime.fromtimestamp(record["time"], UTC)
+            if len(rows) + len(record["metrics"]) > self.caps.rows_per_ship and rows:  # the rest: the next write
+                self._next_pos, self.more = self.pos + offset - len(line), True
+                break
+            records += 1
             step = record["step"]
-            points = {}
-            for name, value in record["metrics"].items():
-                # Sanitized here, at the edge: one unstorable value would fail the whole batch on every poll.
-                stored = storable_text(name)
-                renamed += stored != name
-                try:
-                    value = float(value)
-                except OverflowError:  # an integer past any float
-                    value = math.inf
-                if not math.isfinite(value):
-                    dropped += 1
-                    first = first or (stored, step, value)
-                    continue
-                points[stored] = value
-            rows.extend((step, name, value, t) for name, value in points.items())
-            if ranks := {int(n[len(RANK_SERIES):]): v for n, v in points.items()
-                         if n.startswith(RANK_SERIES) and n[len(RANK_SERIES):].isdigit()}:
-                self._rank_staged.append(ranks)
-            if "step_time_s" in points:
-                self.last_step_time_s, self._timed = points["step_time_s"], True
-            elif not self._timed and step > self.last_step and self._last_time is not None:
+            if records % stride:  # behind by more than THIN_BACKLOG: one step record in `stride` is kept
+                counts.thinned += len(record["metrics"])
+            else:
+                points = self._points(record, counts, new_names, len(rows))
+                rows.extend((step, name, value, datetime.fromtimestamp(record["time"], UTC))
+                            for name, value in points.items())
+                if ranks := {int(n[len(RANK_SERIES):]): v for n, v in points.items()
+                             if n.startswith(RANK_SERIES) and n[len(RANK_SERIES):].isdigit()}:
+                    self._rank_staged.append(ranks)
+                if "step_time_s" in points:
+                    self.last_step_time_s, self._timed = points["step_time_s"], True
+            if not self._timed and step > self.last_step and self._last_time is not None:
                 self.last_step_time_s = (record["time"] - self._last_time) / (step - self.last_step)
             self.last_step, self._last_time = step, record["time"]
-        self._changes = (renamed, dropped, first)
+        self._staged = (counts, new_names, len(rows), records)
         return metrics.insert_batch(db, job_id=job_id, attempt=attempt, node_rank=node_rank, rows=rows)
+
+    def _points(self, record: dict, counts: Counts, new_names: set[str], staged: int) -> dict[str, float]:
+        """The record's points that are stored: sanitized, finite, and within the job's caps."""
+        caps, step, points = self.caps, record["step"], {}
+        for name, value in record["metrics"].items():
+            # Sanitized here, at the edge: one unstorable value would fail the whole batch on every poll.
+            stored = storable_text(name)
+            counts.renamed += stored != name
+            try:
+                value = float(value)
+            except OverflowError:  # an integer past any float
+                value = math.inf
+            if not math.isfinite(value):
+                counts.dropped += 1
+                counts.first_dropped = counts.first_dropped or self.counts.first_dropped or (stored, step, value)
+                continue
+            if len(stored) > caps.name_max_chars:
+                counts.long_names += 1
+                counts.first_long = counts.first_long or stored[:100]
+                continue
+            if stored not in self.names and stored not in new_names:
+                if len(self.names) + len(new_names) >= caps.max_names:
+                    counts.new_names += 1
+                    counts.first_new = counts.first_new or stored
+                    continue
+                new_names.add(stored)
+            if self.points + staged + len(points) >= caps.max_points:
+                counts.over_points += 1
+                continue
+            points[stored] = value
+        return points
 
     def committed(self) -> None:
         self.pos = self._next_pos
         self.rank_windows.extend(self._rank_staged)
         self._rank_staged = []
-        renamed, dropped, self.first_dropped = self._changes
-        self.renamed, self.dropped, self._changes = self.renamed + renamed, self.dropped + dropped, (0, 0, None)
+        counts, new_names, rows, records = self._staged
+        self.counts.add(counts)
+        self.names |= new_names
+        self.points += rows
+        self._records = max(self._records, records)
+        self._staged = (Counts(), set(), 0, 0)
+
+    def give_up(self) -> None:
+        """The database refused the last batch on its own: move past it, counting its points as refused."""
+        counts, _, rows, records = self._staged
+        counts.refused += rows
+        self._staged = (counts, set(), 0, records)
+        self.committed()
+
+    def note(self) -> str | None:
+        """What the caps kept out of the database, in a sentence; None when nothing was."""
+        c, caps = self.counts, self.caps
+        if not c.capped and not c.long_lines:
+            return None
+        parts = [f"kept {self.points:,} of {self.points + c.capped:,} metric points"]
+        if c.over_points:
+            parts.append(f"{c.over_points:,} past the job's cap (TRAINJOBS_METRIC_MAX_POINTS={caps.max_points})")
+        if c.thinned:
+            parts.append(f"{c.thinned:,} thinned while the job reported faster than the service ships "
+                         f"(TRAINJOBS_METRIC_MAX_POINTS_PER_S)")
+        if c.new_names:
+            parts.append(f"{c.new_names:,} under names past the job's {caps.max_names} "
+                         f"(TRAINJOBS_METRIC_MAX_NAMES; the first refused: {c.first_new!r})")
+        if c.long_names:
+            parts.append(f"{c.long_names:,} under names longer than {caps.name_max_chars} characters "
+                         f"(the first: {c.first_long!r})")
+        if c.refused:
+            parts.append(f"{c.refused:,} in a batch the database refused")
+        if c.long_lines:
+            parts.append(f"{c.long_lines} line(s) of the metrics file longer than {READ_MAX} bytes skipped")
+        return "; ".join(parts)
 
 
 def sanitized_note(logs: LogShipper, tail: MetricTail) -> str | None:
@@ -296,10 +435,13 @@ def sanitized_note(logs: LogShipper, tail: MetricTail) -> str | None:
     changes = []
     if logs.nul_bytes:
         changes.append(f"{logs.nul_bytes} NUL byte(s) of output stored as U+FFFD")
-    if tail.renamed:
-        changes.append(f"{tail.renamed} metric value(s) whose name held NUL stored under U+FFFD")
-    if tail.dropped:
-        name, step, value = tail.first_dropped
-        changes.append(f"{tail.dropped} non-finite metric value(s) not stored (the first: {name} = {value} "
+    counts = tail.counts
+    if counts.renamed:
+        changes.append(f"{counts.renamed} metric value(s) whose name held NUL stored under U+FFFD")
+    if counts.dropped:
+        name, step, value = counts.first_dropped
+        changes.append(f"{counts.dropped} non-finite metric value(s) not stored (the first: {name} = {value} "
                        f"at step {step})")
+    if note := tail.note():
+        changes.append(note)
     return f"\n[trainjobs] {'; '.join(changes)}\n" if changes else None

@@ -15,16 +15,18 @@ from pathlib import Path
 import psutil
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import UNREACHABLE
+from service.db import UNREACHABLE, is_refusal
 from service.jobs import lifecycle, records
+from service.metrics import service as metrics_service
 from service.packages.service import package_file
 from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType, JobStatus
 from worker import environments, launch, packages, processes, sandbox
+from worker.lease import Lease
 from worker.root_cause import root_cause
-from worker.shipping import LogShipper, MetricTail, OutputPump, sanitized_note
+from worker.shipping import LogShipper, MetricCaps, MetricTail, OutputPump, sanitized_note
 from worker.watch import Watch
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ PREEMPT_RESEND_S = 1.0  # how often a preemption request is repeated to the rank
 DRAIN_FIRST_S, DRAIN_MAX_S = 0.2, 3.0  # after the ranks end, retry shipping from every 0.2 s up to every 3 s
 DRAIN_REFUSALS = 3  # a commit refused (not an outage) this many times is not retried again
 PIPE_WAIT_S = 5.0  # once the attempt's processes are gone, how long its output pipe may stay open
+NOTE_EVERY_S = 5.0  # how often the job's note of what the metric caps kept out is updated while it runs
 
 
 class Shipped(enum.Enum):
@@ -78,21 +81,31 @@ class Supervisor:
         self.job_id, self.attempt, self.run_dir, self.gang = job_id, attempt, run_dir, gang
         self.node_rank = gang.node_rank if gang else 0
         self.tag = launch.run_tag(job_id, attempt, self.node_rank)
-        self.metrics = MetricTail(run_dir / runenv.METRICS_FILE)
+        self.metrics = MetricTail(run_dir / runenv.METRICS_FILE, MetricCaps.of(settings))
+        self._noted: tuple[str | None, float] = (None, -float("inf"))  # the metric caps' note as last stored, when
         self.cancel_requested = False
-        self.lease_lost = False  # the sweeper gave the job away: stop, write nothing more
-        self._renewed = -float("inf")  # when the lease was last renewed (monotonic)
-        # When the lease held in the database runs out, as far as this worker knows (the claim or the gang's
-        # forming renewed it just before): past it the sweeper may have given the job to another attempt.
-        self._lease_ends = time.monotonic() + settings.lease_s
-        self._lease_extra_s = 0.0  # added to the lease while the ranks are being stopped
+        # Renewed on a thread of its own from run()'s start to its end, never by shipping (worker/lease.py).
+        self.lease = Lease(sessions, settings, job_id=job_id, attempt=attempt, node_rank=self.node_rank)
+        self._refused = 0  # shipping transactions the database refused in a row
         self.preempt_requests = 0  # the worker is shutting down: 1 = checkpoint and hand back, 2 = stop now
         self.preempted_by: str | None = None  # or the scheduler asked for it (a higher-priority job): who, and why
         self._preempt_since: float | None = None
         self._preempt_sent = -float("inf")
         self.watch = Watch(spec=spec, settings=settings, job_id=job_id, attempt=attempt, metrics=self.metrics)
 
+    @property
+    def lease_lost(self) -> bool:
+        """The sweeper (or a cancel) gave the job away: stop, write nothing more."""
+        return self.lease.lost
+
     def run(self) -> Outcome:
+        self.lease.start()
+        try:
+            return self._run()
+        finally:
+            self.lease.stop()
+
+    def _run(self) -> Outcome:
         scripts_dir = self.settings.resolved_scripts_dir
         try:
             if (code_dir := self._unpack_package()) is not None:  # the job's own folder: its script, its cwd
@@ -116,6 +129,9 @@ class Supervisor:
         with self.sessions() as db:
             self.logs = LogShipper(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
                                    max_bytes=self.settings.log_max_bytes)
+            # What earlier attempts used of the job's metric caps.
+            self.metrics.names, self.metrics.points = metrics_service.stored(db, job_id=self.job_id,
+                                                                             node_rank=self.node_rank)
         env = None
         try:
             if requirements:
@@ -194,9 +210,9 @@ class Supervisor:
                 if stop_reason is None:
                     if self.lease_lost:
                         stop_reason = "lost"
-                    elif time.monotonic() > self._lease_ends:  # cut off from the database past the lease
+                    elif self.lease.expired:  # cut off from the database past the lease
                         log.error("job %s: its lease ran out %.1fs ago unrenewed; stopping its ranks", self.job_id,
-                                  time.monotonic() - self._lease_ends)
+                                  time.monotonic() - self.lease.ends)
                         stop_reason = "lease_expired"
                     elif self.cancel_requested:
                         stop_reason = "cancelled"
@@ -210,10 +226,10 @@ class Supervisor:
                         self._ship(None)
                 if stop_reason is not None:
                     if stop_reason not in ("lost", "lease_expired"):
-                        # stop_all blocks through the grace period: hold the lease past it, so a slow-dying
-                        # cancel is not settled as a lost worker meanwhile.
-                        self._lease_extra_s, self._renewed = self.settings.cancel_grace_s + 2, float("-inf")
                         self._ship(pump)
+                    # stop() blocks through the grace period: the lease thread renews meanwhile, so a slow-dying
+                    # cancel is not settled as a lost worker.
+                    self.lease.tick(busy_s=self.settings.cancel_grace_s + 2)
                     killed = procs.stop(self.settings.cancel_grace_s)
                     exit_code = proc.wait()
                     break
@@ -300,7 +316,7 @@ class Supervisor:
         """Why an attempt that has not launched its ranks yet must stop, if it must."""
         if self.lease_lost:
             return "lost"
-        if time.monotonic() > self._lease_ends:
+        if self.lease.expired:
             return "lease_expired"
         if self.cancel_requested:
             return "cancelled"
@@ -348,37 +364,83 @@ class Supervisor:
             self._preempt_sent = now
         return False
 
-    def _ship(self, pump: OutputPump | None) -> Shipped:
-        """Move new output and metrics to the database, renew the lease, read the cancel flag.
+    def _ship(self, pump: OutputPump | None, *, final: bool = False) -> Shipped:
+        """Move new output and metrics to the database, and take in what the lease's last renewal read.
 
-        Fenced (lifecycle.hold): once the sweeper has given the job to a new attempt (this worker was paused or
-        cut off past its lease) nothing more is written for this one. What fails to commit is sent again by the
-        next call: nothing is dropped.
+        The lease is not renewed here (worker/lease.py renews it on its own thread). Fenced (lifecycle.still_held):
+        once the sweeper has given the job to a new attempt (this worker was paused or cut off past its lease),
+        nothing more is written for this one. What fails to commit is sent again by the next call: nothing is
+        dropped, but for a metric batch the database refuses on its own (shipped apart: _ship_apart).
         """
+        self.lease.tick()
+        self._take_held()
         if pump is not None and (output := pump.take()):
             self.logs.stage(output)
             self.watch.output_seen()
-        asked = time.monotonic()
-        renew = asked - self._renewed >= self.settings.heartbeat_s
-        lease_s = self.settings.lease_s + self._lease_extra_s if renew else None
         try:
-            if self._hold(asked, lease_s, write=self._write):
-                self.logs.committed()
-                self.metrics.committed()
-                self.watch.committed()
-            return Shipped.STORED
-        except UNREACHABLE as exc:  # no lease alone either: it would wait as long again (run() stops the ranks
-            # once the lease runs out unrenewed)
-            log.warning("job %s: the database is out of reach (%s); shipping will retry", self.job_id,
-                        type(exc).__name__)
-            return Shipped.UNREACHABLE
+            shipped = self._commit(lambda db, held: self._write(db, held, final=final)) if not self._refused else \
+                self._ship_apart()
+        except UNREACHABLE as exc:
+            if not is_refusal(exc):
+                log.warning("job %s: the database is out of reach (%s); shipping will retry", self.job_id,
+                            type(exc).__name__)
+                return Shipped.UNREACHABLE
+            log.exception("the database refused the shipping of job %s; will retry apart", self.job_id)
         except Exception:  # noqa: BLE001 - a database blip must never kill a healthy run
-            log.exception("shipping for job %s failed; will retry", self.job_id)
-        try:  # data the database refuses must never cost the job: the lease alone, in a transaction of its own
-            self._hold(asked, lease_s)
-        except Exception:  # noqa: BLE001 - the database is down: the lease runs out (run() stops the ranks then)
-            log.exception("renewing the lease of job %s failed; will retry", self.job_id)
+            log.exception("shipping for job %s failed; will retry apart", self.job_id)
+        else:
+            self._refused = 0
+            return shipped
+        self._refused += 1
         return Shipped.REFUSED
+
+    def _ship_apart(self) -> Shipped:
+        """After a refused ship: the log and the watch's findings in one transaction, the metrics in another; a
+        metric batch the database refuses alone is given up (counted in the job's note, logged), so one bad batch
+        never holds back the log, nor every batch after it."""
+        self._commit(lambda db, held: self._write(db, held, metrics=False), metrics=False)
+        try:
+            return self._commit(lambda db, held: self.metrics.write(db, job_id=self.job_id, attempt=self.attempt,
+                                                                    node_rank=self.node_rank), logs=False)
+        except UNREACHABLE as exc:
+            if not is_refusal(exc):
+                raise
+            refused = exc
+        except Exception as exc:  # noqa: BLE001 - data the database will not take: given up below
+            refused = exc
+        log.error("job %s: the database refused a batch of its metrics on its own (%s); giving it up", self.job_id,
+                  refused)
+        self.metrics.give_up()
+        return Shipped.STORED
+
+    def _commit(self, write, *, logs: bool = True, metrics: bool = True) -> Shipped:
+        """`write(db, held)` in a transaction fenced by lifecycle.still_held, then the shippers it wrote for (the
+        log and the watch; the metrics) move on; STORED also once the job is lost (nothing more to store)."""
+        with self.sessions() as db:
+            held = lifecycle.still_held(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
+            if held is None:
+                db.rollback()
+                self.lease.lost = True
+                return Shipped.STORED
+            write(db, held)
+            db.commit()
+        if metrics:
+            self.metrics.committed()
+        if logs:
+            self.logs.committed()
+            self.watch.committed()
+        return Shipped.STORED
+
+    def _take_held(self) -> None:
+        """What the lease's last renewal read of the job: a cancel, a preemption, a request for stacks."""
+        held = self.lease.held
+        if held is None:
+            return
+        self.cancel_requested = held.cancel_requested
+        if held.preempt_detail and self.preempted_by is None:
+            self.preempted_by = held.preempt_detail
+            self.preempt_requests = max(self.preempt_requests, 1)
+        self.watch.stacks_requested(held.stacks_requested_at)
 
     def _drain(self, pump: OutputPump | None) -> None:
         """The ranks are gone: ship until all they wrote is stored, however long the database is out of reach.
@@ -388,7 +450,10 @@ class Supervisor:
         Data the database keeps refusing (not an outage: it would be refused forever) is given up, and logged.
         """
         wait, refused = DRAIN_FIRST_S, 0
-        while (shipped := self._ship(pump)) is not Shipped.STORED:
+        while (shipped := self._ship(pump, final=True)) is not Shipped.STORED or (self.metrics.more
+                                                                                 and not self.lease_lost):
+            if shipped is Shipped.STORED:  # a metric backlog: the next batch at once
+                continue
             refused += shipped is Shipped.REFUSED
             if refused >= DRAIN_REFUSALS:
                 log.error("job %s: the database refused the attempt's last output %d times; giving it up",
@@ -396,33 +461,17 @@ class Supervisor:
                 return
             time.sleep(wait)
             wait = min(DRAIN_MAX_S, wait * 2)
+        if self.metrics.note() != self._noted[0]:  # the last batch's counts: the job's note says them too
+            self._ship(None, final=True)
 
-    def _hold(self, asked: float, lease_s: float | None, write=None) -> bool:
-        """Hold the job (lifecycle.hold), with `write(db, held)` in the same transaction; False once it is lost."""
-        with self.sessions() as db:
-            held = lifecycle.hold(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
-                                  lease_s=lease_s)
-            if held is None:
-                db.rollback()
-                self.lease_lost = True
-                return False
-            if write is not None:
-                write(db, held)
-            db.commit()
-        if lease_s is not None:  # counted from before the request: the database's lease ends no earlier
-            self._renewed, self._lease_ends = time.monotonic(), asked + lease_s
-        self.cancel_requested = held.cancel_requested
-        if held.preempt_detail and self.preempted_by is None:
-            self.preempted_by = held.preempt_detail
-            self.preempt_requests = max(self.preempt_requests, 1)
-        self.watch.stacks_requested(held.stacks_requested_at)
-        return True
-
-    def _write(self, db: Session, held: lifecycle.Held) -> None:
-        """This attempt's new output, metric points, what the watch found, resume step and progress."""
+    def _write(self, db: Session, held: lifecycle.Held, *, metrics: bool = True, final: bool = False) -> None:
+        """This attempt's new output, metric points, what the watch found and the metric caps kept out, resume
+        step and progress (the job's row last: its lock is held only for the end of the transaction)."""
         self.logs.write(db)
-        self.metrics.write(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
+        if metrics:
+            self.metrics.write(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
         self.watch.write(db, node_rank=self.node_rank)
+        self._note_caps(db, final=final)
         if self.metrics.resumed_from_step is not None:
             records.record_resume(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
                                     step=self.metrics.resumed_from_step)
@@ -432,6 +481,16 @@ class Supervisor:
         if (self.gang is None or self.metrics.last_step > held.progress_step
                 or (self.node_rank == 0 and self.metrics.last_step > 0)):
             records.record_progress(db, job_id=self.job_id, attempt=self.attempt, progress=self._progress())
+
+    def _note_caps(self, db: Session, *, final: bool) -> None:
+        """What the metric caps kept out of the database, as a warning on the job: every NOTE_EVERY_S while it
+        changes, and at the end (counted up to the batch before this one: committed counts only)."""
+        note, (noted, at) = self.metrics.note(), self._noted
+        if note is None or note == noted or (not final and time.monotonic() - at < NOTE_EVERY_S):
+            return
+        records.set_warning(db, job_id=self.job_id, warning={"kind": "metrics_capped", "message": note,
+                                                             "attempt": self.attempt, "node_rank": self.node_rank})
+        self._noted = (note, time.monotonic())
 
     def _progress(self) -> dict:
         # An entrypoint's total is what its script reported (report(total_steps=...)), if anything.

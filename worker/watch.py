@@ -34,6 +34,7 @@ class Watch:
         self.hang_startup_s = hang.startup_s if hang.startup_s is not None else settings.hang_startup_s
         self.hang_action = hang.action or settings.hang_action
         self.hang_on = hang.enabled
+        self._reports_steps = spec.entrypoint is None  # the built-in runtime: its first step ends the startup
         self.hang_message: str | None = None
         self._hang_reported = False
         self._active_at = self._launched_at = time.monotonic()  # a new step (or, before the first, new output)
@@ -100,9 +101,10 @@ class Watch:
         """Hang detection, and the stacks a user asked for; True when the ranks are hung and must stop.
 
         Progress is a new step; before a job's first step (a script that reports nothing), new output. No progress
-        for max(min_s, factor × the median step time) is a hang (before the first output or step, while the
-        ranks import and meet, at least startup_s): every rank's stack is taken (worker/stacks.py) and stored on
-        the attempt, then hang.action applies (report: an event, once per hang, and go on).
+        for max(min_s, factor × the median step time) is a hang (before the first step, while the ranks import and
+        meet, at least startup_s; for a script of a user's own, until its first output or step): every rank's stack
+        is taken (worker/stacks.py) and stored on the attempt, then hang.action applies (report: an event, once per
+        hang, and go on).
         """
         now = time.monotonic()
         if self.metrics.last_step != self._step_seen:
@@ -118,7 +120,7 @@ class Watch:
         silent = now - self._active_at
         bound = max(self.hang_min_s, self.hang_factor * statistics.median(self._step_times)
                     if self._step_times else 0.0)
-        if self._step_seen == 0 and self._output_at < self._launched_at:
+        if self._step_seen == 0 and (self._reports_steps or self._output_at < self._launched_at):
             bound = max(bound, self.hang_startup_s)
         if silent < bound or self._hang_reported or not self.hang_on:
             return False

@@ -299,9 +299,8 @@ class Held:
 def hold(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: float | None) -> Held | None:
     """Lock the job, confirm this node of `attempt` still holds it and renew its lease; None once it is lost.
 
-    The supervisor writes the attempt's logs and metrics in the same transaction, after this: once the
-    sweeper has given the job to a newer attempt (this worker was paused or cut off past its lease),
-    nothing more is written for this one. On None the caller rolls back.
+    The worker's lease thread (worker/lease.py) calls it in a short transaction of its own. On None the caller
+    rolls back.
     """
     job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at, Job.progress, Job.stacks_requested_at,
                             Job.preempt_requested_at, Job.preempt_detail)
@@ -312,6 +311,24 @@ def hold(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: flo
     return Held(cancel_requested=job.cancel_requested_at is not None,
                 progress_step=(job.progress or {}).get("step") or 0, stacks_requested_at=job.stacks_requested_at,
                 preempt_detail=(job.preempt_detail or "preempted") if job.preempt_requested_at is not None else None)
+
+
+def still_held(db: Session, *, job_id: str, attempt: int, node_rank: int) -> Held | None:
+    """Whether this node of `attempt` still holds the job, read without a lock and without renewing: the fence of a
+    shipping transaction (the attempt's logs and metrics are written after it). Once the sweeper has given the job
+    to a newer attempt (this worker was paused or cut off past its lease), nothing more is written for this one.
+    """
+    job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at, Job.progress)
+                     .where(Job.id == job_id)).one_or_none()
+    if job is None or job.attempt != attempt or job.status not in LIVE:
+        return None
+    active = db.scalar(select(Attempt.number).where(Attempt.job_id == job_id, Attempt.number == attempt,
+                                                    Attempt.node_rank == node_rank,
+                                                    Attempt.status == AttemptStatus.ACTIVE))
+    if active is None:
+        return None
+    return Held(cancel_requested=job.cancel_requested_at is not None,
+                progress_step=(job.progress or {}).get("step") or 0)
 
 
 # --- an attempt ends -----------------------------------------------------------------------------------------

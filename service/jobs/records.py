@@ -1,8 +1,8 @@
 """What a running attempt records about its job besides its state: progress, resume step, stacks, warnings.
 
 None of these is a state change (those are service/jobs/lifecycle.py's): each writes a side field of the job or
-of one attempt, fenced by the attempt where it matters. The worker calls them inside lifecycle.hold's
-transaction, so they hold the job's row lock; the API asks for stacks through request_stacks.
+of one attempt, fenced by the attempt where it matters. The worker calls them inside its shipping transaction
+(fenced by lifecycle.still_held); the API asks for stacks through request_stacks.
 """
 
 from datetime import datetime
@@ -29,11 +29,24 @@ def record_stacks(db: Session, *, job_id: str, attempt: int, node_rank: int, sta
 def add_warning(db: Session, *, job_id: str, warning: dict) -> None:
     """Something a user should know about a job that still runs (a straggler), kept on the job and as an event.
 
-    The caller holds the job's row lock (hold), so appending to the list races no other writer."""
-    warnings = db.execute(select(Job.warnings).where(Job.id == job_id)).scalar_one_or_none() or []
+    The job's row is locked to read the list (the nodes of a gang add theirs), at the end of a shipping transaction.
+    """
+    warnings = db.execute(select(Job.warnings).where(Job.id == job_id).with_for_update()).scalar_one_or_none() or []
     stamped = {**warning, "time": utcnow().isoformat()}
     db.execute(update(Job).where(Job.id == job_id).values(warnings=[*warnings, stamped][-WARNINGS_KEPT:]))
     record_event(db, job_id=job_id, kind=warning["kind"], detail=warning["message"])
+
+
+def set_warning(db: Session, *, job_id: str, warning: dict) -> None:
+    """A warning that is updated as the job runs (what the metric caps kept out): it replaces the one of the same
+    kind, attempt and node, and is an event only the first time."""
+    key = (warning["kind"], warning.get("attempt"), warning.get("node_rank"))
+    warnings = db.execute(select(Job.warnings).where(Job.id == job_id).with_for_update()).scalar_one_or_none() or []
+    kept = [w for w in warnings if (w.get("kind"), w.get("attempt"), w.get("node_rank")) != key]
+    stamped = {**warning, "time": utcnow().isoformat()}
+    db.execute(update(Job).where(Job.id == job_id).values(warnings=[*kept, stamped][-WARNINGS_KEPT:]))
+    if len(kept) == len(warnings):
+        record_event(db, job_id=job_id, kind=warning["kind"], detail=warning["message"])
 
 
 def request_stacks(db: Session, *, job_id: str) -> datetime | None:

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from service.metrics.models import Metric, MetricBlock
 
 BLOCK_STEPS = 256
+IN_CHUNK = 500  # (name, block) pairs per IN list
 
 
 @dataclass
@@ -65,9 +66,11 @@ def record(db: Session, *, job_id: str, rows: Iterable[tuple[int, str, float]], 
         batches.setdefault((name, step // BLOCK_STEPS), {})[step] = value  # the later row of a step wins
     if not batches:
         return
-    existing = {(b.name, b.block): b for b in db.scalars(select(MetricBlock).where(
-        MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank,
-        tuple_(MetricBlock.name, MetricBlock.block).in_(list(batches))))}
+    keys, existing = list(batches), {}
+    for i in range(0, len(keys), IN_CHUNK):  # NOTE: ~8,000 pairs in one IN list exceed PostgreSQL's stack depth
+        existing |= {(b.name, b.block): b for b in db.scalars(select(MetricBlock).where(
+            MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank,
+            tuple_(MetricBlock.name, MetricBlock.block).in_(keys[i:i + IN_CHUNK])))}
     for (name, block), by_step in batches.items():
         points = sorted(by_step.items())
         row = existing.get((name, block))

@@ -28,6 +28,14 @@ def insert_batch(
     return len(values)
 
 
+def stored(db: Session, *, job_id: str, node_rank: int = 0) -> tuple[set[str], int]:
+    """The names a job's node has stored points under, and how many points (one per step and name): what its
+    earlier attempts used of the per-job caps. From the block summaries: a read of points / BLOCK_STEPS rows."""
+    rows = db.execute(select(MetricBlock.name, func.sum(MetricBlock.points)).where(
+        MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank).group_by(MetricBlock.name)).all()
+    return {name for name, _ in rows}, sum(int(points or 0) for _, points in rows)
+
+
 def replace_samples(
     db: Session, *, job_id: str, attempt: int, rows: list[tuple[int, str, float, datetime]], node_rank: int = 0
 ) -> int:
@@ -37,9 +45,11 @@ def replace_samples(
     and its block be recomputed from all of them on every write.
     """
     for step in {step for step, _, _, _ in rows}:
-        db.execute(delete(Metric).where(Metric.job_id == job_id, Metric.node_rank == node_rank,
-                                        Metric.attempt == attempt, Metric.step == step,
-                                        Metric.name.in_({name for s, name, _, _ in rows if s == step})))
+        names = sorted({name for s, name, _, _ in rows if s == step})
+        for i in range(0, len(names), blocks.IN_CHUNK):
+            db.execute(delete(Metric).where(Metric.job_id == job_id, Metric.node_rank == node_rank,
+                                            Metric.attempt == attempt, Metric.step == step,
+                                            Metric.name.in_(names[i:i + blocks.IN_CHUNK])))
     return insert_batch(db, job_id=job_id, attempt=attempt, rows=rows, node_rank=node_rank)
 
 
