@@ -141,6 +141,8 @@ class Settings(BaseSettings):
     worker_device: Literal["cpu", "cuda"] | None = None  # default: cuda when nvidia-smi lists a GPU
     worker_labels: str = ""  # k=v,k2=v2: what a job's resources.selector matches
     worker_address: str | None = None  # how other nodes reach this one; default: the address that reaches Redis
+    worker_min_free_bytes: int = Field(2**30, ge=0, description="free space the storage and run dirs keep; below "
+                                       "it the worker takes no jobs (disk pressure) until space is back")
 
     @property
     def resolved_database_url(self) -> str:

@@ -44,6 +44,15 @@ def latest_checkpoint(job_folder: Path) -> Path | None:
     return max(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]), default=None)
 
 
+def partial_checkpoints(job_folder: Path) -> list[Path]:
+    """The checkpoint folders in a job's folder that never completed (no COMPLETE): never loaded, only space taken."""
+    root = job_folder / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob(f"{CHECKPOINT_PREFIX}*")
+                  if p.is_dir() and not (p / CHECKPOINT_COMPLETE).exists())
+
+
 def init_source(storage_dir: Path, job_id: str, checkpoint: str) -> Path | None:
     """What `init_from: {job, checkpoint}` loads: the job's final model.pt, or its latest complete checkpoint."""
     folder = job_dir(storage_dir, job_id)

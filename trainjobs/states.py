@@ -77,3 +77,4 @@ class ErrorType(StrEnum):
     HANG = "hang"  # no progress past the hang bound (spec.hang): the ranks' stacks are on the attempt
     IDLE = "idle"  # its devices (on CPU: every rank's CPU) below idle.min_util for idle.window_s, action fail
     REQUIREMENTS_FAILED = "requirements_failed"  # pip could not install entrypoint.requirements (pip's words)
+    DISK_FULL = "disk_full"  # a write of the job's failed for want of space: the error names the disk and the path

@@ -15,7 +15,7 @@ functions with the arguments the service writes is removed and logged as a secur
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from redis import Redis
 from rq import Queue
@@ -40,8 +40,10 @@ POLL_S = 0.5  # between passes while nothing fits
 class Chooser:
     """This worker's view: what it offers, and the database to read jobs from."""
 
-    def __init__(self, sessions: sessionmaker[Session], offer: fit.Offer, settings: Settings):
+    def __init__(self, sessions: sessionmaker[Session], offer: fit.Offer, settings: Settings,
+                 pressure: Callable[[], str | None] = lambda: None):
         self.sessions, self.offer, self.settings = sessions, offer, settings
+        self.pressure = pressure  # why this worker must take no job now (a full disk), or None
         self.lost_after_s = settings.lease_s
         self.reqs: dict[str, scheduling.Req] = {}  # the same, for the scheduler's snapshot
 
@@ -92,10 +94,12 @@ class FittingQueue(Queue):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             found = None
-            for queue in (q for q in queues if q.name.endswith(f"-{GANG}")):
+            # Under disk pressure: nothing, until space is back.
+            queues_now = queues if cls.chooser.pressure() is None else []
+            for queue in (q for q in queues_now if q.name.endswith(f"-{GANG}")):
                 found = found or cls._take_node_task(queue, connection, job_class, serializer)
-            found = found or cls._take_planned([q for q in queues if not q.name.endswith(f"-{GANG}")], connection,
-                                               job_class, serializer)
+            found = found or cls._take_planned([q for q in queues_now if not q.name.endswith(f"-{GANG}")],
+                                               connection, job_class, serializer)
             if found is not None:
                 return found
             if deadline is None:

@@ -6,8 +6,10 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
 
 import psutil
@@ -95,6 +97,56 @@ def capabilities(settings: Settings) -> dict[str, str]:
     return {fit.PIP_LABEL: "true"} if settings.allow_pip and settings.allow_entrypoints else {}
 
 
+class DiskWatch:
+    """Disk pressure: the storage or the run dir (and the data dir) below worker_min_free_bytes of free space.
+
+    Under pressure the worker takes no job (its dequeue waits, worker/dispatch.py) and says why in its row
+    (`pressure`, shown by /v1/workers and left out of the scheduler's plan, like a draining worker), until space is
+    back. As a Kubernetes node with DiskPressure, or a Slurm node drained for a full /tmp: a job it took would
+    fail on the full disk, and its retry be wasted there too.
+    """
+
+    CHECK_S = 1.0  # statvfs at most this often
+
+    def __init__(self, settings: Settings):
+        self.min_free = settings.worker_min_free_bytes
+        self.dirs = [settings.resolved_storage_dir, settings.runs_dir.resolve(), settings.data_dir.resolve()]
+        self._checked, self._why = -float("inf"), None
+        self._lock = threading.Lock()
+
+    def pressure(self) -> str | None:
+        """Why the worker must take no job now (a sentence naming the dir and its free space), or None."""
+        with self._lock:
+            if time.monotonic() - self._checked < self.CHECK_S:
+                return self._why
+            why = None
+            for folder in self.dirs:
+                free = free_bytes(folder)
+                if free is not None and free < self.min_free:
+                    why = (f"disk pressure: {folder} has {free / 2**20:.0f} MiB free, below "
+                           f"TRAINJOBS_WORKER_MIN_FREE_BYTES={self.min_free}; taking no jobs until space is back")
+                    break
+            if why != self._why:
+                if why:
+                    log.warning("%s", why)
+                else:
+                    log.info("disk pressure over: taking jobs again")
+            self._checked, self._why = time.monotonic(), why
+            return why
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Free space (for an unprivileged writer) on the filesystem of `folder`, or of its nearest existing parent."""
+    for path in (folder, *folder.parents):
+        try:
+            return shutil.disk_usage(path).free
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    return None
+
+
 def register(sessions: sessionmaker[Session], *, offer: Offer) -> None:
     with sessions() as db:
         workers.register(db, worker_id=offer.id, host=offer.host, address=offer.address, device=offer.device,
@@ -104,7 +156,8 @@ def register(sessions: sessionmaker[Session], *, offer: Offer) -> None:
 
 
 def start_heartbeat(sessions: sessionmaker[Session], *, offer: Offer, every_s: float,
-                    draining: Callable[[], bool]) -> Callable[[], None]:
+                    draining: Callable[[], bool], pressure: Callable[[], str | None] = lambda: None
+                    ) -> Callable[[], None]:
     """Register now, renew last_seen every every_s from a daemon thread; returns the stop function (deregisters)."""
     register(sessions, offer=offer)
     name = offer.id
@@ -114,7 +167,7 @@ def start_heartbeat(sessions: sessionmaker[Session], *, offer: Offer, every_s: f
         while not stopped.wait(every_s):
             try:
                 with sessions() as db:
-                    found = workers.beat(db, worker_id=name, draining=draining())
+                    found = workers.beat(db, worker_id=name, draining=draining(), pressure=pressure())
                     db.commit()
                 if not found:  # pruned while we were cut off: come back
                     register(sessions, offer=offer)

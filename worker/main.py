@@ -27,7 +27,7 @@ from trainjobs.runenv import PREEMPT_SIGNAL
 from worker import sandbox
 from worker.agent import request_preemption
 from worker.dispatch import Chooser, FittingQueue
-from worker.inventory import probe, start_heartbeat
+from worker.inventory import DiskWatch, probe, start_heartbeat
 from worker.sandbox import REDIS_AUTH_LABEL
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,8 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     # NOTE: a forked work-horse must never use (or close) the pooled connections it inherited.
     os.register_at_fork(after_in_child=lambda: engine.dispose(close=False))
     sessions = make_sessionmaker(engine)
-    FittingQueue.chooser = Chooser(sessions, offer, settings)
+    disk = DiskWatch(settings)
+    FittingQueue.chooser = Chooser(sessions, offer, settings, pressure=disk.pressure)
     redis = Redis.from_url(settings.redis_url)
     queues = [FittingQueue(n, connection=redis, serializer=JSONSerializer, job_class=GuardedJob)
               for n in queue_names(settings.queue_prefix)]
@@ -151,7 +152,7 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
         return current[0]
 
     stop_heartbeat = start_heartbeat(sessions, offer=offer, every_s=settings.heartbeat_s,
-                                     draining=lambda: bool(current) and current[0].draining)
+                                     draining=lambda: bool(current) and current[0].draining, pressure=disk.pressure)
     try:
         serve(make_worker, burst=burst)
     finally:

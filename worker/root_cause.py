@@ -1,6 +1,7 @@
 """The root cause of a failed run, from the ranks' torchrun error files (@record), else the exit code."""
 
 import json
+import shutil
 from pathlib import Path
 
 from trainjobs.states import ErrorType
@@ -46,3 +47,33 @@ def root_cause(run_dir: Path, exit_code: int | None, *, excerpt: str, entrypoint
         where["local_rank"] = local_rank
     return {"type": kind or "Error", "message": text or message, "rank": rank, "exit_code": exit_code,
             "traceback": stack[-4000:], "excerpt": excerpt, "raised_at": raised_at or None, **where}
+
+
+# What a write that ran out of space says: the OS's ENOSPC (or a quota), SQLite's, and torch's serialiser, whose
+# failed write says only "unexpected pos" or "file write failed" (those count only with the disk indeed short).
+NO_SPACE = ("No space left on device", "[Errno 28]", "ENOSPC", "Disk quota exceeded", "database or disk is full")
+SHORT_WRITE = ("unexpected pos", "file write failed")
+
+
+def disk_full(error: dict, *, dirs: list[Path], min_free: int, was_short: bool = False) -> dict | None:
+    """The job's error restated as disk_full, naming the fullest of `dirs` and its free space, when the failure was
+    a write that ran out of space; None otherwise. The rank's own error is kept under `cause`. was_short: the disk
+    was below min_free when the ranks ended (before their half-written checkpoint was removed)."""
+    text = " ".join(str(error.get(k) or "") for k in ("type", "message", "traceback", "excerpt"))
+    usage = []
+    for folder in dirs:
+        try:
+            usage.append((shutil.disk_usage(folder), folder))
+        except OSError:
+            continue
+    if not usage:
+        return None
+    (total, _, free), folder = min(usage, key=lambda u: u[0].free)
+    short = was_short or free < min_free
+    if not (any(m in text for m in NO_SPACE) or (any(m in text for m in SHORT_WRITE) and short)):
+        return None
+    cause = {k: error.get(k) for k in ("type", "message", "rank") if error.get(k) is not None}
+    message = (f"no space left on the disk of {folder}: {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB "
+               f"(the job's {cause.get('type', 'error')}: {str(cause.get('message', ''))[:300]})")
+    return {**error, "type": ErrorType.DISK_FULL, "message": message, "path": str(folder), "free_bytes": free,
+            "cause": cause}

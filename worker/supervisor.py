@@ -24,8 +24,9 @@ from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType, JobStatus
 from worker import environments, launch, packages, processes, sandbox
+from worker.inventory import free_bytes
 from worker.lease import Lease
-from worker.root_cause import root_cause
+from worker.root_cause import disk_full, root_cause
 from worker.shipping import LogShipper, MetricCaps, MetricTail, OutputPump, sanitized_note
 from worker.watch import Watch
 
@@ -87,6 +88,8 @@ class Supervisor:
         # Renewed on a thread of its own from run()'s start to its end, never by shipping (worker/lease.py).
         self.lease = Lease(sessions, settings, job_id=job_id, attempt=attempt, node_rank=self.node_rank)
         self._refused = 0  # shipping transactions the database refused in a row
+        self._removed_checkpoints: list[str] = []  # half-written ones, once the ranks were gone
+        self._disk_short = False  # its storage or run dir was below worker_min_free_bytes when the ranks ended
         self.preempt_requests = 0  # the worker is shutting down: 1 = checkpoint and hand back, 2 = stop now
         self.preempted_by: str | None = None  # or the scheduler asked for it (a higher-priority job): who, and why
         self._preempt_since: float | None = None
@@ -237,6 +240,9 @@ class Supervisor:
             if left := procs.find():  # torchrun is gone: ranks or their helpers outlived it
                 log.warning("attempt %s: %d process(es) outlived torchrun; stopping them", self.tag, len(left))
                 killed += procs.stop(min(1.0, self.settings.cancel_grace_s))
+            self._disk_short = any((free := free_bytes(d)) is not None and free < self.settings.worker_min_free_bytes
+                                   for d in (job_dir, self.run_dir))
+            self._removed_checkpoints = self._remove_partial_checkpoints(job_dir)
             # Every process of the attempt is gone, so the pipe closes: shipping (and the lease) go on meanwhile.
             if not pump.wait_closed(PIPE_WAIT_S, self.settings.poll_s, lambda: self._ship(pump)):
                 log.error("attempt %s: its output pipe is still open %.0fs after its processes ended; "
@@ -548,6 +554,34 @@ class Supervisor:
             return Outcome(JobStatus.QUEUED, exit_code, detail=detail, killed_pids=killed)
         if finished:
             return Outcome(JobStatus.SUCCEEDED, exit_code, summary=self.metrics.summary)
-        return Outcome(JobStatus.FAILED, exit_code, error=root_cause(
-            self.run_dir, exit_code, excerpt=self.logs.recent[-4000:], entrypoint=self.spec.entrypoint is not None,
-            node_rank=self.node_rank, nproc=self.spec.resources.nproc_per_node if self.gang else None))
+        error = root_cause(self.run_dir, exit_code, excerpt=self.logs.recent[-4000:],
+                           entrypoint=self.spec.entrypoint is not None, node_rank=self.node_rank,
+                           nproc=self.spec.resources.nproc_per_node if self.gang else None)
+        return Outcome(JobStatus.FAILED, exit_code, error=self._disk_full(error) or error)
+
+    def _remove_partial_checkpoints(self, job_dir: Path) -> list[str]:
+        """The built-in runtime's checkpoints this attempt left half-written (no COMPLETE: never loaded), removed
+        once its ranks are gone, so that a disk they filled has its space back before the outcome is written (on
+        `trainjobs up` the database shares that disk). Not a gang's (another node may still be writing the same
+        folder), nor a user's own script's: its folders are its own."""
+        if self.gang is not None or self.spec.entrypoint is not None:
+            return []
+        removed = []
+        for folder in paths.partial_checkpoints(job_dir):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
+        return removed
+
+    def _disk_full(self, error: dict) -> dict | None:
+        """A failure that was a write out of space: disk_full, naming the disk (and the checkpoint it left
+        half-written, removed). Retried, on a worker with space: this one takes no job while under pressure
+        (worker/inventory.py DiskWatch)."""
+        job_dir = paths.job_dir(self.settings.resolved_storage_dir, self.job_id)
+        full = disk_full(error, dirs=[job_dir, self.run_dir], min_free=self.settings.worker_min_free_bytes,
+                         was_short=self._disk_short)
+        if full is None:
+            return None
+        if self._removed_checkpoints:
+            full["message"] += f"; its partial checkpoint {', '.join(self._removed_checkpoints)} was removed"
+        log.error("job %s: %s", self.job_id, full["message"])
+        return full

@@ -34,7 +34,8 @@ class Watch:
         self.hang_startup_s = hang.startup_s if hang.startup_s is not None else settings.hang_startup_s
         self.hang_action = hang.action or settings.hang_action
         self.hang_on = hang.enabled
-        self._reports_steps = spec.entrypoint is None  # the built-in runtime: its first step ends the startup
+        self._reports_steps = spec.entrypoint is None  # built-in: its first step (or resume) ends the startup
+        self._resumed_seen = False
         self.hang_message: str | None = None
         self._hang_reported = False
         self._active_at = self._launched_at = time.monotonic()  # a new step (or, before the first, new output)
@@ -101,8 +102,9 @@ class Watch:
         """Hang detection, and the stacks a user asked for; True when the ranks are hung and must stop.
 
         Progress is a new step; before a job's first step (a script that reports nothing), new output. No progress
-        for max(min_s, factor × the median step time) is a hang (before the first step, while the ranks import and
-        meet, at least startup_s; for a script of a user's own, until its first output or step): every rank's stack
+        for max(min_s, factor × the median step time) is a hang (before the first step or the resume from a
+        checkpoint, while the ranks import and meet, at least startup_s; for a script of a user's own, until its
+        first output or step): every rank's stack
         is taken (worker/stacks.py) and stored on the attempt, then hang.action applies (report: an event, once per
         hang, and go on).
         """
@@ -113,6 +115,8 @@ class Watch:
                 self._step_times.append(self.metrics.last_step_time_s)
         elif self._step_seen == 0 and self._output_at > self._active_at:
             self._active_at, self._hang_reported = self._output_at, False
+        if self.metrics.resumed_from_step is not None and not self._resumed_seen:  # set up: its checkpoint loaded
+            self._resumed_seen, self._active_at = True, now
         if self._stacks_asked is not None and self._stacks_asked != self._stacks_served:
             self._stacks_served = self._stacks_asked
             self.stacks_pending = {**stacks.dump(torchrun_pid, reason="requested"),
@@ -120,7 +124,8 @@ class Watch:
         silent = now - self._active_at
         bound = max(self.hang_min_s, self.hang_factor * statistics.median(self._step_times)
                     if self._step_times else 0.0)
-        if self._step_seen == 0 and (self._reports_steps or self._output_at < self._launched_at):
+        set_up = self._step_seen or self._resumed_seen
+        if not set_up and (self._reports_steps or self._output_at < self._launched_at):
             bound = max(bound, self.hang_startup_s)
         if silent < bound or self._hang_reported or not self.hang_on:
             return False

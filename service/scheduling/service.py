@@ -81,7 +81,8 @@ def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req]
         for job_id, spec, plan in db.execute(select(Job.id, Job.spec, Job.plan)
                                              .where(Job.id.in_(missing[i:i + 500]))):
             cache[job_id] = req_of(spec, plan)
-    live = [w for w in workers.live(db, lost_after_s=settings.lease_s) if w.state != "draining"]
+    # A draining worker takes no more jobs, nor does one under pressure (its disk full) until it recovers.
+    live = [w for w in workers.live(db, lost_after_s=settings.lease_s) if w.state != "draining" and not w.pressure]
 
     by_job: dict[str, list] = {}
     in_flight: dict[str, float] = {}

@@ -25,6 +25,8 @@ class Worker(Base):
     # idle | busy | draining; "lost" is never stored: it is a last_seen older than the lease.
     state: Mapped[str] = mapped_column(String(16), default="idle")
     current_job: Mapped[str | None] = mapped_column(String(32))
+    # Why the worker takes no job now, though it runs (a disk below its free space: worker/inventory.py DiskWatch).
+    pressure: Mapped[str | None] = mapped_column(String(512))
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 

@@ -20,6 +20,7 @@ class WorkerPublic(BaseModel):
     memory_gb: float | None  # per device: one GPU's, or on CPU the host's (shared by the ranks), in GiB
     labels: dict[str, str]
     state: str  # idle | busy | draining | lost
+    pressure: str | None = None  # why it takes no jobs now though it runs (a disk below its free space)
     current_job: str | None
     last_seen: datetime
 
@@ -29,7 +30,7 @@ class WorkerPublic(BaseModel):
         memory = round(worker.memory_bytes / GiB, 3) if worker.memory_bytes else None
         return cls(id=worker.id, host=worker.host, address=worker.address, device=worker.device,
                    slots=worker.slots, busy_slots=worker.busy_slots, memory_gb=memory, labels=worker.labels or {},
-                   state=shown_state(worker, now=now, lost_after_s=lost_after_s),
+                   state=shown_state(worker, now=now, lost_after_s=lost_after_s), pressure=worker.pressure,
                    current_job=worker.current_job if show_job else None,
                    last_seen=worker.last_seen)
 

@@ -25,9 +25,10 @@ def register(db: Session, *, worker_id: str, host: str, address: str, device: st
                     state="idle", current_job=None, started_at=now, last_seen=now))
 
 
-def beat(db: Session, *, worker_id: str, draining: bool = False) -> bool:
-    """Renew last_seen (and say so when draining); False when the row is gone (pruned): register again."""
-    values: dict = {"last_seen": utcnow()}
+def beat(db: Session, *, worker_id: str, draining: bool = False, pressure: str | None = None) -> bool:
+    """Renew last_seen (and say so when draining, and why it takes no jobs: `pressure`, None once it takes them
+    again); False when the row is gone (pruned): register again."""
+    values: dict = {"last_seen": utcnow(), "pressure": pressure[:512] if pressure else None}
     if draining:
         values["state"] = "draining"
     return db.execute(update(Worker).where(Worker.id == worker_id).values(**values)).rowcount == 1
