@@ -58,6 +58,7 @@ bench: $(STAMP) services
 	$(PY) bench/scheduler_sim.py
 	$(PY) bench/watch.py
 	$(PY) bench/sandbox.py
+	$(PY) bench/job_writes.py
 
 clean:
 	rm -rf $(VENV) trainjobs-data

@@ -40,7 +40,8 @@ def storable_json(value):
     return value
 
 
-PUMP_MAX_PENDING = 8 * 2**20  # bytes an OutputPump holds untaken; past it the oldest go, so the tail survives
+PUMP_MAX_PENDING = 2 * 2**20  # bytes an OutputPump holds untaken; past it the oldest go, so the tail survives
+TAIL_MAX = 2**20  # bytes of a log's tail held in memory until the run ends (the rest of its room is the head's)
 READ_BYTES = 65536
 UTF8_CONTINUATION = range(0x80, 0xC0)
 
@@ -112,8 +113,8 @@ class LogShipper:
     write() adds to the open transaction; committed() moves on only once it is stored,
     so a failed commit loses nothing: the next write() sends the same text again.
 
-    Of the room the cap leaves this attempt, the first half (the head) is shipped as it comes. Past it the
-    shipper keeps only the newest bytes, up to the other half (the tail), in memory: stored chunks cannot be
+    Of the room the cap leaves this attempt, the head (half, or all but TAIL_MAX) is shipped as it comes. Past it the
+    shipper keeps only the newest bytes, up to the rest (the tail), in memory: stored chunks cannot be
     un-written, so the tail is stored once the run has ended (a final=True stage), after a line saying how many
     bytes were cut between the two. NOTE: so a log over half its room shows nothing new live past the head until
     the end; then its last part, with the traceback a failed run printed last.
@@ -127,7 +128,8 @@ class LogShipper:
         self.pending = ""
         self._written = 0
         room = max(0, max_bytes - self.offset)
-        self._head_left, self._tail_left = room // 2, room - room // 2
+        self._tail_left = min(room - room // 2, TAIL_MAX)
+        self._head_left = room - self._tail_left
         self.truncated = False  # past the head: output goes to the tail
         self._tail, self._cut = bytearray(), 0  # the newest output past the head (UTF-8), and the bytes cut
         self._ending = False  # a final=True stage came: write() stores the tail

@@ -53,7 +53,8 @@ def workers_table(page: dict, now: datetime | None = None) -> Table:
                   "memory", "labels", "job", Column("seen", no_wrap=True), title=f"{len(page['items'])} workers")
     for w in page["items"]:
         seen = max(0.0, (now - datetime.fromisoformat(w["last_seen"])).total_seconds())
-        table.add_row(w["state"], w["id"], f"{w['busy_slots']}/{w['slots']} {w['device']}",
+        state = f"{w['state']}, disk pressure" if w.get("pressure") else w["state"]  # why: in --json
+        table.add_row(state, w["id"], f"{w['busy_slots']}/{w['slots']} {w['device']}",
                       f"{w['memory_gb']:g} GiB" if w["memory_gb"] is not None else "",
                       " ".join(f"{k}={v}" for k, v in sorted(w["labels"].items())), w["current_job"] or "",
                       f"{seen:.0f}s ago")

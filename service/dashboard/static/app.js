@@ -692,7 +692,8 @@ function workersView() {
     const { body, changed } = await getJson("/v1/workers");
     if (!changed) return;
     const rows = body.items.map((w) => el("tr", {},
-      el("td", {}, statusBadge(w.state)), el("td", {}, w.id), el("td", { title: w.address }, w.host),
+      el("td", { title: w.pressure || "" }, statusBadge(w.state), w.pressure ? " disk pressure" : ""),
+      el("td", {}, w.id), el("td", { title: w.address }, w.host),
       el("td", {}, w.device),
       el("td", { cls: "muted" }, Object.entries(w.labels || {}).map(([k, v]) => `${k}=${v}`).join(", ")),
       el("td", { cls: "num" }, w.memory_gb !== null && w.memory_gb !== undefined ? `${w.memory_gb} GiB` : ""),
