@@ -10,7 +10,7 @@ from pathlib import Path
 from redis import Redis
 from redis.exceptions import RedisError
 
-from service.db import UNREACHABLE, make_engine, make_sessionmaker
+from service.db import UNREACHABLE, is_refusal, make_engine, make_sessionmaker
 from service.jobs import lifecycle, queue
 from service.settings import Settings, get_settings
 from service.workers import service as workers
@@ -157,9 +157,9 @@ def with_retries(fn, *, what: str, tries: int | None = 7, first_s: float = 0.5, 
     while True:
         try:
             return fn()
-        except UNREACHABLE:
+        except UNREACHABLE as exc:
             i += 1
-            if tries is not None and i >= tries:
+            if (tries is not None and i >= tries) or is_refusal(exc):  # refused: the same again would be too
                 raise
             wait = min(max_s, first_s * 2 ** (i - 1))
             log.warning("%s failed: the database is out of reach (try %d); retrying in %.1fs", what, i, wait,
