@@ -166,6 +166,9 @@ def test_submit_follow_shows_a_real_jobs_progress_and_exits_0(postgres_url, tmp_
                                       **({"TRAINJOBS_TOKEN": real.token} if real.token else {})}).stdout
     assert code == 0, out
     assert "20/20" in out and "loss " in out and "samples/s" in out and "succeeded" in out and "summary" in out
+    printed = [line for line in stored.splitlines() if line.strip()]  # follow prints the job's output, in order
+    at = [out.find(line) for line in printed]
+    assert printed and -1 not in at and at == sorted(at), (printed, out)
     assert log_code == 0 and followed == stored and "samples/s" in stored  # every byte, once, in order
     assert re.search(rf"{job_id}.*followed.*succeeded.*ddp.*1×2.*20/20", listing), listing
 

@@ -253,10 +253,14 @@ def test_plain_and_reported_torchrun_scripts_run_to_success_through_the_service(
         assert [a["name"] for a in artifacts] == ["model.pt"]
 
 
-def test_entrypoint_that_cannot_start_fails_with_its_output_in_the_error(entry_stack):
+def test_entrypoint_that_cannot_start_fails_with_its_exception_up_front(entry_stack):
+    """The rank's exception (type, message, the frames) is the job's error, as the built-in runtime's is, not only
+    torchrun's exit code: worker/user_main.py writes it where torchrun's @record would."""
     with entry_stack.client(timeout=10) as api:
         job = wait_terminal(api, api.post("/v1/jobs", json=entry_spec(module="no_such_pkg.train")).json()["id"])
-    assert job["status"] == "failed"
-    assert job["error"]["type"] == "process_exit" and job["error"]["exit_code"] == 1
-    assert "the entrypoint exited with code 1" in job["error"]["message"]
-    assert "'no_such_pkg.train' (ModuleNotFoundError" in job["error"]["excerpt"]
+    error = job["error"]
+    assert job["status"] == "failed" and job["attempt"] == 1  # ImportError: the code is wrong, not retried
+    assert error["type"] == "ImportError" and error["exit_code"] == 1 and error["rank"] in (0, 1), error
+    assert "'no_such_pkg.train' (ModuleNotFoundError" in error["message"]
+    assert error["traceback"].startswith("Traceback") and "ImportError" in error["traceback"]
+    assert "'no_such_pkg.train' (ModuleNotFoundError" in error["excerpt"]

@@ -322,6 +322,27 @@ def test_asha_stops_losing_trials_early_and_never_the_best(api):
     assert job["status"] == "cancelled" and job["reason"] == "stopped_early" and job["error"] is None
 
 
+def test_a_sweep_whose_trials_finish_between_two_looks_keeps_every_finished_trial(api):
+    """Trials that train in well under a second, faster than the controller looks: a stop that comes once a trial
+    reported its last step stops nothing (its supervisor lets it end), so no finished trial is ever discarded
+    as stopped early (the example sweep once lost its second best that way)."""
+    spec = mlp_spec(resources=ONE, train={"max_steps": 24, "log_every": 2})
+    body = sweep_body(spec=spec, method="random", max_trials=6, parallel=3, seed=5,
+                      parameters={"optimizer.lr": {"distribution": "log_uniform", "min": 1e-4, "max": 0.3}},
+                      early_stopping={"type": "asha", "min_steps": 4, "reduction_factor": 2})
+    sweep = api.post("/v1/sweeps", json=body).json()
+    done = wait_sweep(api, sweep["id"])
+    trials = api.get(f"/v1/sweeps/{sweep['id']}/trials").json()["data"]
+    assert done["status"] == "succeeded" and len(trials) == 6
+    for trial in trials:
+        job = api.get(f"/v1/jobs/{trial['job_id']}").json()
+        if trial["steps"] == 24:  # finished its work: succeeded, with its summary, whatever stop came after
+            assert job["status"] == "succeeded" and job["summary"] and job["reason"] is None, job
+        else:
+            assert job["status"] == "cancelled" and job["reason"] == "stopped_early", job
+    assert done["trials"]["succeeded"] == sum(t["steps"] == 24 for t in trials)
+
+
 def test_cancelling_a_sweep_leaves_no_trial_running(api):
     spec = mlp_spec(resources=ONE, train={"max_steps": 10_000_000, "log_every": 5})
     sweep = api.post("/v1/sweeps", json=sweep_body(spec=spec, parallel=2)).json()

@@ -300,7 +300,7 @@ class MetricTail:
                 data = f.read(READ_MAX)
         except FileNotFoundError:
             return b"", 0
-        return data, size - self.pos - len(data)
+        return data, max(0, size - self.pos - len(data))  # (the file may have grown since the fstat)
 
     def write(self, db: Session, *, job_id: str, attempt: int, node_rank: int = 0) -> int:
         data, waiting = self._read()

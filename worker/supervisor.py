@@ -442,7 +442,9 @@ class Supervisor:
         held = self.lease.held
         if held is None:
             return
-        self.cancel_requested = held.cancel_requested
+        # A sweep's early stop that comes once the ranks reached their last step stops nothing: they end as they
+        # would (their model and summary written), and the trial succeeds.
+        self.cancel_requested = held.cancel_requested and not (held.stopped_early and self._work_done())
         if held.preempt_detail and self.preempted_by is None:
             self.preempted_by = held.preempt_detail
             self.preempt_requests = max(self.preempt_requests, 1)
@@ -497,6 +499,12 @@ class Supervisor:
         records.set_warning(db, job_id=self.job_id, warning={"kind": "metrics_capped", "message": note,
                                                              "attempt": self.attempt, "node_rank": self.node_rank})
         self._noted = (note, time.monotonic())
+
+    def _work_done(self) -> bool:
+        """The ranks reported their last step (the spec's max_steps; a script's own total_steps, counted from 0 or
+        1): what is left is writing out, not work to stop."""
+        total = self.metrics.total_steps if self.spec.entrypoint else self.spec.train.max_steps
+        return bool(total) and self.metrics.last_step >= total - 1
 
     def _progress(self) -> dict:
         # An entrypoint's total is what its script reported (report(total_steps=...)), if anything.

@@ -26,9 +26,12 @@ script printed its last line, with or without destroy_process_group. Measured he
 import atexit
 import gc
 import io
+import json
 import os
 import runpy
 import sys
+import time
+import traceback
 from types import TracebackType
 
 USAGE = "usage: python worker/user_main.py (script PATH | module NAME) [ARGS...]"
@@ -55,6 +58,7 @@ def main(argv: list[str]) -> None:
     except BaseException as error:  # noqa: BLE001 - what Python would print for an uncaught exception
         tb = users_frames(error.__traceback__)
         sys.excepthook(type(error), error.with_traceback(tb), tb)
+        record(error, tb)
         code = 1
     sys.exit(code)
 
@@ -69,6 +73,23 @@ def exit_code(code: object) -> int:
     return 1
 
 
+def record(error: BaseException, tb: TracebackType | None) -> None:
+    """The exception in torchrun's error file for this rank, as torch's @record writes it for the built-in runtime:
+    the worker reads it (worker/root_cause.py) into the job's error, type, message and the user's frames, rather
+    than only an exit code under torchrun's ChildFailedError."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = "".join(traceback.format_exception(type(error), error, tb))
+    body = {"message": {"message": f"{type(error).__name__}: {error}",
+                        "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(body, f)
+    except OSError:  # the exit code and the log still say it
+        pass
+
+
 def users_frames(tb: TracebackType | None) -> TracebackType | None:
     """The traceback from the user's first frame: without this module's and runpy's."""
     ours = {__file__, runpy.__file__, "<frozen runpy>"}
@@ -79,7 +100,9 @@ def users_frames(tb: TracebackType | None) -> TracebackType | None:
 
 def leave(code: int) -> None:
     for obj in gc.get_objects():  # what the teardown would flush as it freed them
-        if isinstance(obj, io.IOBase):
+        # NOTE: type(), not isinstance: isinstance reads an object's __class__, and some objects warn when touched
+        # (torch.distributed.reduce_op: a FutureWarning in every script's log that the script never caused).
+        if issubclass(type(obj), io.IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()

@@ -43,6 +43,7 @@ class Snapshot:
     cursor: int  # after `series`
     series: list[dict]  # the next batch of points: at most BATCH_ROWS rows
     more: bool  # the batch was full: more rows may wait after the cursor
+    pending_reason: str | None = None  # while queued: why no worker has taken it
 
 
 def read_metrics_after(db: Session, *, job_id: str, cursor: int, limit: int) -> tuple[int, list[dict], int]:
@@ -75,6 +76,7 @@ def poll(factory: sessionmaker[Session], job_id: str, cursor: int, with_metrics:
     with factory() as db:
         job = jobs.get(db, job_id=job_id)
         snapshot = Snapshot(status=job.status, progress=dict(job.progress or {}),
+                            pending_reason=job.pending_reason if job.status == JobStatus.QUEUED else None,
                             log_end=read_log_end(db, job_id=job_id), cursor=cursor, series=[], more=False)
         if with_metrics:
             # NOTE: one attempt at a time ships a job's series (node 0's: the other nodes of a gang ship theirs
@@ -113,8 +115,8 @@ async def job_events(request: Request, job_id: str, cursor: int | None, mode: Me
     while True:
         snap = await run_in_threadpool(poll, factory, job_id, cursor, mode != "none")
         terminal = JobStatus(snap.status).is_terminal()
-        if snap.status != status and not terminal:
-            yield event("status", cursor, {"status": snap.status})
+        if (snap.status, snap.pending_reason) != status and not terminal:  # queued: why it waits, as it changes
+            yield event("status", cursor, {"status": snap.status, "pending_reason": snap.pending_reason})
         if snap.progress != progress:
             yield event("progress", cursor, snap.progress)
         if snap.log_end != log_end:
@@ -122,7 +124,7 @@ async def job_events(request: Request, job_id: str, cursor: int | None, mode: Me
         if snap.series:
             cursor = snap.cursor
             yield event("metrics", cursor, {"series": snap.series})
-        status, progress, log_end = snap.status, snap.progress, snap.log_end
+        status, progress, log_end = (snap.status, snap.pending_reason), snap.progress, snap.log_end
         if snap.more:  # a backlog: the next batch at once
             continue
         if terminal:  # the final status is the last event; then the stream ends

@@ -33,12 +33,14 @@ class ProgressView:
     def __init__(self, job: dict):
         progress = job["progress"]
         self.status, self.step, self.total = job["status"], progress["step"], progress["total_steps"]
+        self.pending_reason: str | None = job.get("pending_reason")  # while queued: why it waits
         self.eta_s: float | None = progress.get("eta_s")
         self.latest: dict[str, float] = {}  # the last value of each metric
 
     def apply(self, event: Event) -> None:
         if event.kind == "status":
             self.status = event.data["status"]
+            self.pending_reason = event.data.get("pending_reason")
         elif event.kind == "progress":
             self.step = event.data.get("step", self.step)
             self.total = event.data.get("total_steps", self.total)
@@ -54,13 +56,16 @@ class ProgressView:
         loss = f"loss {self.latest['loss']:.4f}" if "loss" in self.latest else ""
         eta = f"eta {timedelta(seconds=round(self.eta_s))}" if self.eta_s is not None and self.status == "running" \
             else ""
+        status = f"queued: {self.pending_reason}" if self.status == "queued" and self.pending_reason else self.status
         return {"completed": self.step, "total": self.total, "steps": f"{self.step}/{self.total or '?'}",
-                "status": self.status, "loss": loss, "speed": speed, "eta": eta}
+                "status": status, "loss": loss, "speed": speed, "eta": eta}
 
 
-def follow(client: Client, job_id: str, console: Console | None = None, *, exit_on_ctrl_c: bool = True) -> dict:
-    """Follow the job's event stream to its end, with a progress bar on `console` (none without one); returns
-    the final job. Ctrl-C stops the following only: the job runs on, and the follower exits 130 at once.
+def follow(client: Client, job_id: str, console: Console | None = None, *, exit_on_ctrl_c: bool = True,
+           output: bool = False, node_rank: int = 0) -> dict:
+    """Follow the job's event stream to its end, with a progress bar on `console` (none without one) and, with
+    `output`, the job's output (node `node_rank`'s) printed above it as it comes; returns the final job. Ctrl-C
+    stops the following only: the job runs on, and the follower exits 130 at once.
 
     NOTE: at once, from the signal handler, not by a KeyboardInterrupt: one raised while the progress bar's
     refresh thread holds its lock left that lock taken, and the bar's exit waited on it forever.
@@ -75,16 +80,20 @@ def follow(client: Client, job_id: str, console: Console | None = None, *, exit_
         sys.stderr.flush()
         os._exit(130)
 
+    def run() -> dict:
+        return follow_events(client, job_id, console, output=output, node_rank=node_rank)
+
     if not exit_on_ctrl_c or threading.current_thread() is not threading.main_thread():  # (no handler there)
-        return follow_events(client, job_id, console)
+        return run()
     previous = signal.signal(signal.SIGINT, stop)
     try:
-        return follow_events(client, job_id, console)
+        return run()
     finally:
         signal.signal(signal.SIGINT, previous)
 
 
-def follow_events(client: Client, job_id: str, console: Console | None) -> dict:
+def follow_events(client: Client, job_id: str, console: Console | None, *, output: bool = False,
+                  node_rank: int = 0) -> dict:
     job = client.get(job_id)
     view = ProgressView(job)
     # The bar shows the latest values: points written from now on, never the series' history.
@@ -95,12 +104,26 @@ def follow_events(client: Client, job_id: str, console: Console | None) -> dict:
     columns = (TextColumn("{task.description}", style="bold", markup=False),  # the job's name, as text
                BarColumn(), TextColumn("{task.fields[steps]}"), TextColumn("{task.fields[status]}"),
                TextColumn("{task.fields[loss]}"), TextColumn("{task.fields[speed]}"), TextColumn("{task.fields[eta]}"))
+    offset = 0  # of the output printed so far
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(job["name"], **view.fields())
         for event in client.follow_events(job_id, metrics="new"):
             view.apply(event)
+            if output and (event.kind == "logs" or (event.kind == "status" and event.data["status"] in EXIT_CODES)):
+                offset = print_output(client, job_id, offset, node_rank, bar.console)
             bar.update(task, **view.fields())
     return client.get(job_id)
+
+
+def print_output(client: Client, job_id: str, offset: int, node_rank: int, console: Console) -> int:
+    """The job's output from `offset` on (the user's text, printed as text, above the bar); the next offset."""
+    while True:
+        text, after, _ = client.log_page(job_id, offset, node_rank=node_rank)
+        if text:
+            console.print(Text(text), end="", soft_wrap=True)
+        if after == offset or not text:
+            return after
+        offset = after
 
 
 def print_outcome(job: dict, console: Console) -> int:
@@ -116,4 +139,13 @@ def print_outcome(job: dict, console: Console) -> int:
         err = job["error"]
         rank = f" on rank {err['rank']}" if err.get("rank") is not None else ""
         console.print(Text(f"{err.get('type')}{rank}: {err.get('message')}", style="red"))
+        if frames := last_lines(err.get("traceback") or err.get("excerpt") or "", TRACEBACK_LINES):
+            console.print(Text(frames))
     return exit_code(job)
+
+
+TRACEBACK_LINES = 12  # of a failed rank's traceback (or, without one, of its output) under the error
+
+
+def last_lines(text: str, n: int) -> str:
+    return "\n".join(text.rstrip().splitlines()[-n:])

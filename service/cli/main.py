@@ -52,7 +52,7 @@ def cmd_submit(args, client: Client) -> int:
     console.print(f"submitted {job['id']} ({job['name']})")
     if not args.follow:
         return 0
-    return print_outcome(follow(client, job["id"], console), console)
+    return print_outcome(follow(client, job["id"], console, output=not args.quiet, node_rank=args.node), console)
 
 
 def cmd_plan(args, client: Client) -> int:
@@ -276,8 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     submit = sub.add_parser("submit", help="submit a job spec (JSON or YAML)")
     submit.add_argument("file")
     submit.add_argument("--follow", action="store_true",
-                        help="stream progress until the job ends; exit 0 succeeded, 1 failed, 130 cancelled")
+                        help="stream the job's output and progress until it ends; exit 0 succeeded, 1 failed, "
+                        "130 cancelled (Ctrl-C stops following, not the job)")
     submit.add_argument("--json", action="store_true", help="the job as JSON (with --follow: once it has ended)")
+    submit.add_argument("--quiet", action="store_true", help="with --follow: the progress bar alone, not the output")
+    submit.add_argument("--node", type=int, default=0, metavar="K",
+                        help="with --follow: node K's output, for a multi-node job (default 0)")
     submit.add_argument("--workdir", metavar="DIR", help="pack and upload DIR with the job (entrypoint jobs)")
     submit.set_defaults(remote=cmd_submit)
     plan = sub.add_parser("plan", help="the memory plan of a job spec (DDP or FSDP, and why), without submitting")

@@ -92,7 +92,7 @@ def cmd_run(args, client: Client) -> int:
     console.print(f"submitted {job['id']} ({job['name']})")
     if not args.follow:
         return 0
-    return print_outcome(follow(client, job["id"], console), console)
+    return print_outcome(follow(client, job["id"], console, output=not args.quiet, node_rank=args.node), console)
 
 
 def upload(client: Client, workdir: Path) -> str:
@@ -142,8 +142,12 @@ def register(sub) -> None:
     run.add_argument("--timeout", type=float, metavar="SECONDS", help="timeout_s (default 3600)")
     run.add_argument("--dry-run", action="store_true", help="print the spec (and the package's digest); send nothing")
     run.add_argument("--follow", action="store_true",
-                     help="stream progress until the job ends; exit 0 succeeded, 1 failed, 130 cancelled")
+                     help="stream the job's output and progress until it ends; exit 0 succeeded, 1 failed, "
+                        "130 cancelled (Ctrl-C stops following, not the job)")
     run.add_argument("--json", action="store_true", help="the job as JSON (with --follow: once it has ended)")
+    run.add_argument("--quiet", action="store_true", help="with --follow: the progress bar alone, not the output")
+    run.add_argument("--node", type=int, default=0, metavar="K",
+                        help="with --follow: node K's output, for a multi-node job (default 0)")
     run.set_defaults(remote=cmd_run)
     packages = sub.add_parser("packages", help="your uploaded working directories (list, or --rm DIGEST)")
     packages.add_argument("--rm", metavar="DIGEST", help="delete that package (sha256:...)")

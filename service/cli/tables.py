@@ -29,6 +29,8 @@ def job_table(job: dict) -> Table:
                        ("created", job["created_at"]), ("started", job["started_at"] or ""),
                        ("finished", job["finished_at"] or "")):
         table.add_row(key, str(value))
+    if job.get("pending_reason"):  # queued: why no worker has taken it yet
+        table.add_row("waiting", Text(job["pending_reason"]))
     return table
 
 

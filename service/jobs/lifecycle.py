@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, or_, select, type_coerce, update
+from sqlalchemy import ColumnElement, case, func, or_, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -294,6 +294,7 @@ class Held:
     progress_step: int  # the job's progress as stored (a gang's nodes move it in turn)
     stacks_requested_at: datetime | None = None  # POST /v1/jobs/{id}/stacks: the latest request
     preempt_detail: str | None = None  # the scheduler asks it to hand its workers back (to whom, and why)
+    stopped_early: bool = False  # the cancel is a sweep's early stopping: work already done is kept
 
 
 def hold(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: float | None) -> Held | None:
@@ -303,14 +304,15 @@ def hold(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: flo
     rolls back.
     """
     job = db.execute(select(Job.attempt, Job.status, Job.cancel_requested_at, Job.progress, Job.stacks_requested_at,
-                            Job.preempt_requested_at, Job.preempt_detail)
+                            Job.preempt_requested_at, Job.preempt_detail, Job.reason)
                      .where(Job.id == job_id).with_for_update()).one_or_none()
     renewed = renew_lease(db, job_id=job_id, attempt=attempt, node_rank=node_rank, lease_s=lease_s)
     if job is None or job.attempt != attempt or job.status not in LIVE or not renewed:
         return None
     return Held(cancel_requested=job.cancel_requested_at is not None,
                 progress_step=(job.progress or {}).get("step") or 0, stacks_requested_at=job.stacks_requested_at,
-                preempt_detail=(job.preempt_detail or "preempted") if job.preempt_requested_at is not None else None)
+                preempt_detail=(job.preempt_detail or "preempted") if job.preempt_requested_at is not None else None,
+                stopped_early=job.reason == STOPPED_EARLY)
 
 
 def still_held(db: Session, *, job_id: str, attempt: int, node_rank: int) -> Held | None:
@@ -376,6 +378,8 @@ def finish_node(db: Session, *, job_id: str, attempt: int, node_rank: int, statu
     if active_nodes(db, job_id=job_id, attempt=attempt):
         return True
     values = {"error": error} if error else {}
+    if status == JobStatus.SUCCEEDED:  # a sweep's stop that came once the work was done stopped nothing
+        values["reason"] = case((Job.reason == STOPPED_EARLY, None), else_=Job.reason)
     return transition(db, job_id=job_id, to=status, attempt=attempt, values=values,
                       detail=(error or {}).get("message"))
 

@@ -6,7 +6,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from service.jobs.models import Job
-from trainjobs.states import AttemptStatus
+from trainjobs.states import TERMINAL, AttemptStatus
 
 
 class Progress(BaseModel):
@@ -56,6 +56,8 @@ class JobPublic(BaseModel):
     def of(cls, job: Job) -> "JobPublic":
         total = None if job.spec.entrypoint else job.spec.train.max_steps
         progress = {"total_steps": total, **(job.progress or {})}
+        if job.status in TERMINAL:  # nothing left to wait for
+            progress["eta_s"] = None
         return cls(
             id=job.id, name=job.name, owner=job.owner, status=job.status, priority=job.priority,
             spec=job.spec.model_dump(mode="json"), attempt=job.attempt, max_retries=job.max_retries,

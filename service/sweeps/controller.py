@@ -48,7 +48,7 @@ def advance_all(db: Session, redis: Redis, settings: Settings) -> None:
 
 def advance(db: Session, redis: Redis, settings: Settings, row: Sweep) -> None:
     config = service.config_of(row)
-    trials = db.execute(select(Job.id, Job.sweep_trial, Job.status, Job.cancel_requested_at)
+    trials = db.execute(select(Job.id, Job.sweep_trial, Job.status, Job.cancel_requested_at, Job.progress)
                         .where(Job.sweep_id == row.id)).all()
     if config.stopping is not None:
         stop_losers(db, config, sweep_id=row.id, trials=trials)
@@ -84,9 +84,18 @@ def advance(db: Session, redis: Redis, settings: Settings, row: Sweep) -> None:
     db.rollback()  # a pass holds no transaction between sweeps
 
 
+def work_done(progress: dict | None) -> bool:
+    """The job's stored progress says it reached its last step (counted from 0 or 1)."""
+    step, total = (progress or {}).get("step") or 0, (progress or {}).get("total_steps")
+    return bool(total) and step >= total - 1
+
+
 def stop_losers(db: Session, config: SweepSpec, *, sweep_id: str, trials) -> None:
     """Read the metric series of the sweep's trials and stop, by the normal cancel path, those the rule drops."""
-    running = {t.id for t in trials if t.status == JobStatus.RUNNING and t.cancel_requested_at is None}
+    # A trial that reported its last step has no work left to stop: it is never stopped early (its supervisor
+    # lets it end too, should a stop race its last step: worker/supervisor.py _take_held).
+    running = {t.id for t in trials if t.status == JobStatus.RUNNING and t.cancel_requested_at is None
+               and not work_done(t.progress)}
     if not running:
         return
     rule = config.stopping

@@ -211,7 +211,8 @@ function jobsView(query) {
   const render = (body) => {
     const rows = body.items.map((job) => el("tr", { "data-job": job.id },
       el("td", { cls: "pick" }, pick(job)),
-      el("td", {}, statusBadge(job.status)),
+      el("td", { title: job.status === "queued" && job.pending_reason ? `waiting: ${job.pending_reason}` : "" },
+        statusBadge(job.status)),
       el("td", {}, el("a", { href: `#/jobs/${encodeURIComponent(job.id)}` }, job.name),
         ...(job.spec.tags || []).map(tagLink)),
       el("td", {}, job.owner), el("td", {}, strategyOf(job)), el("td", { cls: "num" }, worldSize(job.spec)),
@@ -492,6 +493,9 @@ function renderJob(job) {
   $("job-meta").textContent = `${job.id} · ${job.owner} · ${strategyOf(job)} on ${worldSize(job.spec)} ` +
     `${(job.spec.resources || {}).device || ""} · priority ${job.priority} · attempt ${job.attempt}/` +
     `${job.max_retries + 1} · submitted ${ago(job.created_at)}${ended}`;
+  // Queued: why no worker has taken it (the sweeper's words), where the user looks first.
+  $("job-pending").hidden = !(job.status === "queued" && job.pending_reason);
+  $("job-pending").textContent = job.pending_reason ? `waiting: ${job.pending_reason}` : "";
   const cancel = $("job-cancel");
   cancel.hidden = TERMINAL.has(job.status);
   cancel.disabled = Boolean(job.cancel_requested_at);
