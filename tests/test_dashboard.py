@@ -352,6 +352,8 @@ def test_the_queue_page_shows_waiting_jobs_in_start_order_with_their_reasons(pag
         positions = [int(rows.nth(i).locator("td").nth(0).inner_text()) for i in range(2)]
         assert positions[0] < positions[1]
         expect(page.locator("#queue-standing")).to_contain_text("policy fair")
+        page.goto(f"{page.url.split('#')[0]}#/jobs/{ids[0]}")  # the job's own page says why it waits, too
+        expect(page.locator("#job-pending")).to_contain_text("waiting: no live worker fits")
     finally:
         for job_id in ids:
             api.post(f"/v1/jobs/{job_id}/cancel")
