@@ -85,15 +85,15 @@ def test_text_data_inside_data_dir_is_accepted(client, settings):
     assert client.post("/v1/jobs", json=spec).status_code == 201
 
 
-@pytest.mark.parametrize("body,content_type", [
-    (b"{not json", "application/json"),
-    (b"", "application/json"),
-    (b"[1, 2, 3]", "application/json"),
-    (b"name: x", "text/yaml"),
+@pytest.mark.parametrize("body,content_type,status", [
+    (b"{not json", "application/json", 400),  # not JSON at all: a 400 (service/api/invalid.py)
+    (b"", "application/json", 422),
+    (b"[1, 2, 3]", "application/json", 422),
+    (b"name: x", "text/yaml", 422),
 ])
-def test_body_that_is_not_a_json_spec_is_422(client, settings, body, content_type):
+def test_body_that_is_not_a_json_spec_is_refused_and_writes_nothing(client, settings, body, content_type, status):
     r = client.post("/v1/jobs", content=body, headers={"content-type": content_type})
-    assert r.status_code == 422, r.text
+    assert r.status_code == status, r.text
     assert r.json()["detail"]
     assert count_jobs(settings.database_url) == 0
 

@@ -27,3 +27,18 @@ def test_the_follow_bar_says_why_a_queued_job_waits():
     assert view.fields()["status"] == "queued: no live worker fits (needs 8 processes per node; the largest has 2)"
     view.apply(Event(kind="status", data={"status": "running", "pending_reason": None}, id="1"))
     assert view.fields()["status"] == "running"
+
+
+def test_a_typo_in_a_field_says_did_you_mean_and_a_body_that_is_not_json_is_a_400(client):
+    spec = mlp_spec(resources={"nproc_per_nod": 2, "device": "cpu"})
+    answer = client.post("/v1/jobs", json=spec)
+    assert answer.status_code == 422
+    [error] = answer.json()["detail"]
+    assert error["loc"] == ["body", "resources", "nproc_per_nod"] and error["did_you_mean"] == "nproc_per_node"
+    assert error["msg"] == "Extra inputs are not permitted: did you mean 'nproc_per_node'?"
+    sweep = {"name": "s", "spec": mlp_spec(optimiser={"lr": 0.1}), "parameters": {"optimizer.lr": {"values": [1]}}}
+    [error] = client.post("/v1/sweeps", json=sweep).json()["detail"]
+    assert error["did_you_mean"] == "optimizer", error
+    answer = client.post("/v1/jobs", content=b'{"name": "x",', headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and answer.json()["field"] == "body", answer.text
+    assert answer.json()["detail"].startswith("the body is not valid JSON at character")

@@ -6,10 +6,12 @@ import threading
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis import Redis
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api import invalid
 from service.api.admitter import Admitter
 from service.api.events import router as events_router
 from service.api.health import router as health_router
@@ -104,6 +106,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _trainjobs_error(_request: Request, exc: TrainjobsError) -> JSONResponse:
         return JSONResponse(status_code=exc.status_code, content={"detail": exc.message, "field": exc.field},
                             headers=exc.headers)
+
+    app.add_exception_handler(RequestValidationError, invalid.answer)  # 400 for no JSON; "did you mean"
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -99,7 +99,7 @@ def read_queue(db: SessionDep, settings: SettingsDep, principal: PrincipalDep) -
 
 
 class TeamBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: `false` is no number of slots
 
     weight: float = Field(1.0, gt=0, le=1000, description="its share of the pool relative to other teams")
     max_slots: int | None = Field(None, ge=0, le=1_000_000, description="slots its running jobs may hold at once")
@@ -155,7 +155,7 @@ def _team(db, row: Team, usage: dict[str, float]) -> TeamPublic:
 
 
 class UserPatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: `0` is no yes-or-no, `false` no number
 
     team: TeamName | None = Field(None, description="its team; \"\" or null with `clear_team` to leave one")
     clear_team: bool = False
