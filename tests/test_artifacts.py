@@ -1,6 +1,7 @@
 """A job's artifacts over HTTP: listed, downloaded, and never a path outside the job's folder."""
 
 import os
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -25,6 +26,8 @@ def test_artifacts_are_listed_with_their_sizes(client, job_with_files):
     body = client.get(f"/v1/jobs/{job_with_files}/artifacts").json()
     assert body["count"] == 2
     assert [(f["name"], f["size"]) for f in body["data"]] == [("model.pt", 9), ("plots/loss.csv", 16)]
+    # ISO 8601 in UTC, as every other time the API returns (an epoch float once)
+    assert all(datetime.fromisoformat(f["modified"]).utcoffset() == timedelta(0) for f in body["data"])
 
 
 def test_an_artifact_downloads_byte_for_byte(client, job_with_files):

@@ -1,5 +1,6 @@
 """A job's output files (the final model, what an entrypoint script wrote): list and download."""
 
+from datetime import datetime
 from email.utils import formatdate
 from urllib.parse import quote
 
@@ -18,7 +19,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 class ArtifactPublic(BaseModel):
     name: str
     size: int
-    modified: float
+    modified: datetime  # UTC, ISO 8601, as every time the API returns
 
 
 class ArtifactsPublic(BaseModel):

@@ -9,6 +9,7 @@ served is the file that was opened and checked, never its name looked up again.
 import os
 import stat
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import BinaryIO
 
@@ -83,7 +84,7 @@ def list_artifacts(settings: Settings, job_id: str) -> list[dict]:
                     continue
                 if stat.S_ISREG(info.st_mode):
                     files.append({"name": Path(folder, name).as_posix(), "size": info.st_size,
-                                  "modified": info.st_mtime})
+                                  "modified": datetime.fromtimestamp(info.st_mtime, UTC)})
     finally:
         os.close(fd)
     return sorted(files, key=lambda f: f["name"])
