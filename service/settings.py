@@ -90,8 +90,10 @@ class Settings(BaseSettings):
     # Stragglers (the built-in runtime's step_time_s/rank<r>; a job's spec.straggler overrides).
     straggler_factor: float = Field(1.3, gt=1)
     straggler_windows: int = Field(3, ge=1)
-    straggler_min_excess_s: float = Field(0.002, ge=0, description="and at least this much slower per step than "
-                                          "the others' median: microseconds of jitter are no straggler")
+    # NOTE: 10 ms: a 2-rank toy job on a shared CPU (steps of a few ms, a descheduled rank a few ms late) was named
+    # a straggler at 2 ms; a real one (steps of 100 ms and more, 30% slower) is tens of ms slower per step.
+    straggler_min_excess_s: float = Field(0.01, ge=0, description="and at least this much slower per step than "
+                                          "the others' median: jitter is no straggler")
     # Usage (worker/usage.py) and idle devices (a job's spec.idle overrides the last three).
     usage_sample_s: float = Field(5.0, ge=0, description="how often a supervisor samples its job's GPUs (or, on "
                                   "CPU, each rank's CPU use) into gpu_util, gpu_mem, cpu_util/rank<r>; 0: never "
