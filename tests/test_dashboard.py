@@ -182,7 +182,8 @@ def test_job_page_follows_a_running_job_live_and_cancels_it(page, api, jobs):
 
 def test_a_gang_s_memory_chart_draws_a_line_per_node(page, api, postgres_url):
     resources = {"nnodes": 2, "nproc_per_node": 1, "device": "cpu", "selector": {"pool": "nowhere"}}
-    job_id = api.post("/v1/jobs", json=mlp_spec(name="dash-gang", resources=resources)).json()["id"]  # stays queued
+    job_id = api.post("/v1/jobs", json=mlp_spec(name="dash-gang", resources=resources),
+                      params={"allow_unschedulable": "true"}).json()["id"]  # stays queued
     engine = create_engine(postgres_url)
     with Session(engine) as db:  # what each node's supervisor ships: its local rank 0's series
         for node, memory in ((0, 100.0), (1, 180.0)):
@@ -211,9 +212,11 @@ def compared(stack, api, postgres_url) -> dict[str, str]:
     ids = {}
     for name, lr in COMPARED.items():
         spec = mlp_spec(name=name, tags=["study=cmp"], resources=nowhere, optimizer={"type": "adamw", "lr": lr})
-        ids[name] = api.post("/v1/jobs", json=spec, headers=headers["alice"]).json()["id"]
+        ids[name] = api.post("/v1/jobs", json=spec, headers=headers["alice"],
+                             params={"allow_unschedulable": "true"}).json()["id"]
     spec = mlp_spec(name="cmp-bob", tags=["study=other"], resources=nowhere)
-    ids["cmp-bob"] = api.post("/v1/jobs", json=spec, headers=headers["bob"]).json()["id"]
+    ids["cmp-bob"] = api.post("/v1/jobs", json=spec, headers=headers["bob"],
+                              params={"allow_unschedulable": "true"}).json()["id"]
     engine = create_engine(postgres_url)
     now = utcnow()
     with Session(engine) as db:  # what each run's supervisor would have shipped and recorded
@@ -318,7 +321,8 @@ def test_compare_view_overlays_curves_lists_only_differing_spec_fields_and_says_
 
 def test_compare_view_follows_a_job_that_has_not_ended(page, api, compared, postgres_url):
     nowhere = {"nnodes": 1, "nproc_per_node": 1, "device": "cpu", "selector": {"pool": "nowhere"}}
-    live = api.post("/v1/jobs", json=mlp_spec(name="live-1", resources=nowhere)).json()["id"]  # stays queued
+    live = api.post("/v1/jobs", json=mlp_spec(name="live-1", resources=nowhere),
+                    params={"allow_unschedulable": "true"}).json()["id"]  # stays queued
     engine = create_engine(postgres_url)
 
     def ship(steps):  # as a running job's supervisor does, batch by batch
@@ -340,7 +344,8 @@ def test_compare_view_follows_a_job_that_has_not_ended(page, api, compared, post
 
 def test_the_queue_page_shows_waiting_jobs_in_start_order_with_their_reasons(page, api):
     nowhere = {"nproc_per_node": 1, "device": "cpu", "selector": {"zone": "nowhere"}}  # no worker fits: they wait
-    ids = [api.post("/v1/jobs", json=mlp_spec(name=f"dash-wait-{i}", resources=nowhere)).json()["id"]
+    ids = [api.post("/v1/jobs", json=mlp_spec(name=f"dash-wait-{i}", resources=nowhere),
+                    params={"allow_unschedulable": "true"}).json()["id"]
            for i in range(2)]
     try:
         page.click("header nav a[data-nav=queue]")
@@ -361,7 +366,8 @@ def test_the_queue_page_shows_waiting_jobs_in_start_order_with_their_reasons(pag
 
 def test_a_job_page_charts_each_ranks_step_time_and_cpu_and_shows_an_idle_warning(page, api, postgres_url):
     resources = {"nnodes": 1, "nproc_per_node": 2, "device": "cpu", "selector": {"pool": "nowhere"}}
-    job_id = api.post("/v1/jobs", json=mlp_spec(name="dash-ranks", resources=resources)).json()["id"]  # queued
+    job_id = api.post("/v1/jobs", json=mlp_spec(name="dash-ranks", resources=resources),
+                      params={"allow_unschedulable": "true"}).json()["id"]  # queued
     engine = create_engine(postgres_url)
     with Session(engine) as db:  # what the runtime reports (step_time_s/rank<r>) and the supervisor samples
         rows = [(s, f"{name}{rank}", value * (rank + 1) + s / 100, utcnow()) for s in range(1, 11) for rank in (0, 1)

@@ -144,8 +144,11 @@ def test_a_team_over_its_slot_quota_waits_with_the_quota_as_its_reason(stack, ap
 def test_the_queue_shows_a_user_their_own_positions_and_others_only_as_counts(stack, api):
     carol, dave = user(stack, api, "carol-q"), user(stack, api, "dave-q")
     nowhere = {"nproc_per_node": 1, "device": "cpu", "selector": {"lane": "z"}}  # no worker: they stay queued
-    c = [carol.post("/v1/jobs", json=mlp_spec(name=f"c{i}", resources=nowhere)).json()["id"] for i in range(2)]
-    d = [dave.post("/v1/jobs", json=mlp_spec(name=f"d{i}", resources=nowhere)).json()["id"] for i in range(3)]
+    wait = {"allow_unschedulable": "true"}
+    c = [carol.post("/v1/jobs", json=mlp_spec(name=f"c{i}", resources=nowhere), params=wait).json()["id"]
+         for i in range(2)]
+    d = [dave.post("/v1/jobs", json=mlp_spec(name=f"d{i}", resources=nowhere), params=wait).json()["id"]
+         for i in range(3)]
     mine = carol.get("/v1/queue").json()
     assert [j["id"] for j in mine["jobs"]] == c and all(j["owner"] == "carol-q" for j in mine["jobs"])
     assert mine["others_waiting"] == 3 and mine["you"]["user"] == "carol-q"
@@ -163,6 +166,6 @@ def test_only_an_admin_may_opt_out_of_preemption(stack, api):
     erin = user(stack, api, "erin-q")
     r = erin.post("/v1/jobs", json=small("keep", preemptible=False))
     assert r.status_code == 403 and "preemptible" in r.text
-    r = api.post("/v1/jobs", json=small("keep", lane="z", preemptible=False))
+    r = api.post("/v1/jobs", json=small("keep", lane="z", preemptible=False), params={"allow_unschedulable": "true"})
     assert r.status_code == 201
     cancel_all(api, [r.json()["id"]])

@@ -48,14 +48,18 @@ def test_a_job_with_requirements_fits_only_a_worker_that_installs_them():
     spec = JobSpec.model_validate({"entrypoint": {"script": "t.py", "requirements": ["tomli-w==1.0.0"]}})
     need = fit.need_of(spec, None)
 
-    class Plain:
-        id, device, slots, memory_bytes, labels = "plain", "cpu", 2, 2**34, {"zone": "a"}
+    class Closed:
+        id, device, slots, memory_bytes, labels = "closed", "cpu", 2, 2**34, {"zone": "a"}
+
+    class Plain(Closed):
+        id, labels = "plain", {fit.ENTRYPOINTS_LABEL: "true"}
 
     class Pip(Plain):
-        id, labels = "pip", {fit.PIP_LABEL: "true"}
+        id, labels = "pip", {fit.ENTRYPOINTS_LABEL: "true", fit.PIP_LABEL: "true"}
 
     assert need.pip and fit.misfit(need, Pip) is None
     assert fit.misfit(need, Plain) == "does not install requirements (TRAINJOBS_ALLOW_PIP)"
+    assert fit.misfit(need, Closed) == "does not run users' own code (TRAINJOBS_ALLOW_ENTRYPOINTS)"
     assert fit.pending_reason(need, [Plain]) == "no live worker fits (plain: does not install requirements " \
         "(TRAINJOBS_ALLOW_PIP))"
     assert not fit.need_of(JobSpec.model_validate({"entrypoint": {"script": "t.py"}}), None).pip

@@ -130,7 +130,8 @@ def test_events_of_changes_made_just_before_the_api_was_killed_and_while_it_was_
         running = api.post("/v1/jobs", json=tiny(name="runs-while-api-dead", train={
             "max_steps": 30, "log_every": 5, "seed": 0})).json()["id"]
         stuck = api.post("/v1/jobs", json=tiny(name="fits-no-worker", resources={
-            "nnodes": 1, "nproc_per_node": 1, "device": "cpu", "selector": {"zone": "nowhere"}})).json()["id"]
+            "nnodes": 1, "nproc_per_node": 1, "device": "cpu", "selector": {"zone": "nowhere"}}),
+            params={"allow_unschedulable": "true"}).json()["id"]
         assert api.post(f"/v1/jobs/{stuck}/cancel").json()["status"] == "cancelled"
         dict(stack.procs)["api"].kill()  # SIGKILL, right after the cancel's commit
         dict(stack.procs)["api"].wait()

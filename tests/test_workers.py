@@ -41,7 +41,7 @@ def test_workers_register_with_their_flags_and_show_in_the_list(stack, api):
 def test_a_job_no_live_worker_fits_waits_with_a_reason_until_one_that_fits_arrives(stack, api):
     spec = mlp_spec(name="four-slots", resources={"nproc_per_node": 4, "device": "cpu"},
                     train={"max_steps": 10, "log_every": 5, "seed": 0})
-    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    job_id = api.post("/v1/jobs", json=spec, params={"allow_unschedulable": "true"}).json()["id"]
     job = wait_for(lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["pending_reason"] and j, 15,
                    what="a pending_reason")
     assert job["status"] == "queued" and "no live worker fits" in job["pending_reason"]

@@ -134,11 +134,13 @@ class Client:
     def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
         return raise_for_status(self.http.request(method, path, **kwargs))
 
-    def submit(self, spec: dict, *, workdir: str | os.PathLike | None = None, attempts: int = 3) -> dict:
+    def submit(self, spec: dict, *, workdir: str | os.PathLike | None = None, attempts: int = 3,
+               allow_unschedulable: bool = False) -> dict:
         """Submit once, even if the connection drops: every retry carries the same Idempotency-Key.
 
         With `workdir`, the folder is packed and uploaded first (only if the API does not hold it yet) and the
-        spec's entrypoint runs in it: `entrypoint.script` is relative to it.
+        spec's entrypoint runs in it: `entrypoint.script` is relative to it. A job no live worker could run is
+        refused (422 or 403, naming what none has) unless `allow_unschedulable`: then it waits for such a worker.
         """
         if workdir is not None:
             if not isinstance(spec.get("entrypoint"), dict):
@@ -147,7 +149,8 @@ class Client:
         headers = {"Idempotency-Key": f"cli-{uuid.uuid4()}"}
         for attempt in range(1, attempts + 1):
             try:
-                return self._call("POST", "/v1/jobs", json=spec, headers=headers).json()
+                params = {"allow_unschedulable": "true"} if allow_unschedulable else None
+                return self._call("POST", "/v1/jobs", json=spec, headers=headers, params=params).json()
             except httpx.TransportError:
                 if attempt == attempts:
                     raise

@@ -94,7 +94,8 @@ def probe(settings: Settings, *, name: str, labels: dict[str, str] | None = None
 
 def capabilities(settings: Settings) -> dict[str, str]:
     """What the worker's switches let it do, as labels a job's needs match (service/workers/fit.py)."""
-    return {fit.PIP_LABEL: "true"} if settings.allow_pip and settings.allow_entrypoints else {}
+    labels = {fit.ENTRYPOINTS_LABEL: "true"} if settings.allow_entrypoints else {}
+    return {**labels, fit.PIP_LABEL: "true"} if settings.allow_pip and settings.allow_entrypoints else labels
 
 
 class DiskWatch:

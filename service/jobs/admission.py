@@ -39,14 +39,15 @@ class Submission:
     idempotency_key: str | None = None
     cloned_from: str | None = None
     trial: service.Trial | None = None
+    wait: bool = False  # taken though no live worker could run it now (allow_unschedulable): it waits for one
 
 
 def admit(spec: JobSpec, *, db: Session, redis: Redis, settings: Settings, principal: Principal,
           idempotency_key: str | None, cloned_from: str | None = None, trial: service.Trial | None = None,
-          needs: MutableMapping[str, scheduling.Req] | None = None) -> Admitted:
+          needs: MutableMapping[str, scheduling.Req] | None = None, wait: bool = False) -> Admitted:
     """(job, created): created False when an earlier request with the same Idempotency-Key made it (then
     nothing is enqueued: were that job lost from Redis, the reconciler enqueues it)."""
-    outcome = admit_many([Submission(spec, principal, idempotency_key, cloned_from, trial)], db=db, redis=redis,
+    outcome = admit_many([Submission(spec, principal, idempotency_key, cloned_from, trial, wait)], db=db, redis=redis,
                          settings=settings, needs=needs)[0]
     if isinstance(outcome, Exception):
         raise outcome
@@ -91,9 +92,14 @@ def admit_many(asked: Sequence[Submission], *, db: Session, redis: Redis, settin
             continue
         try:
             check_own(db, s, settings=settings)
-            if live_workers is None and (worker_rows.needs_pip(s.spec) or worker_rows.plans_against_workers(s.spec)):
+            # A sweep's trials wait: the sweep was taken, and a pool restarting must not fail it.
+            checked = not s.wait and s.trial is None
+            if live_workers is None and (checked or worker_rows.needs_pip(s.spec)
+                                         or worker_rows.plans_against_workers(s.spec)):
                 live_workers = worker_rows.live(db, lost_after_s=settings.lease_s)
             worker_rows.check_pip(s.spec, live_workers=live_workers or [])
+            if checked:
+                worker_rows.check_schedulable(s.spec, live_workers=live_workers or [])
             memory = worker_rows.memory_of(live_workers) if worker_rows.plans_against_workers(s.spec) else []
             new[i] = service.new_job(s.spec, owner=s.principal.user, workers=memory, idempotency_key=s.idempotency_key,
                                      cloned_from=s.cloned_from, trial=s.trial)

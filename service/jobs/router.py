@@ -24,20 +24,26 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=128)]
 
 
+# A job no live worker could run is refused at submission (a 422 or 403 naming what none has), unless the caller
+# says it will wait for such a worker.
+AllowUnschedulable = Annotated[bool, Query(description="take the job though no live worker could run it now: it "
+                                           "waits, queued with a pending_reason, for one that can")]
 REPLAYED = {200: {"model": JobPublic, "description": "a retry with the same Idempotency-Key: the first one's job"}}
 
 
 @router.post("", status_code=201, response_model=JobPublic,
              responses=REPLAYED | responses(400, 403, 404, 409, 413, 429))
 async def submit_job(spec: JobSpec, request: Request, principal: PrincipalDep,
-                     idempotency_key: IdempotencyKey = None) -> Response:
+                     idempotency_key: IdempotencyKey = None, allow_unschedulable: AllowUnschedulable = False
+                     ) -> Response:
     """Store the job, commit, then enqueue: the row is the truth, the queue entry only a hint.
 
     A retry with the same Idempotency-Key and spec answers 200 with the job the first one made and enqueues
     nothing (were that job lost from Redis, the reconciler enqueues it). Concurrent submissions are admitted
     together (service/api/admitter.py).
     """
-    answer = await request.app.state.admitter.admit(admission.Submission(spec, principal, idempotency_key))
+    answer = await request.app.state.admitter.admit(admission.Submission(spec, principal, idempotency_key,
+                                                                         wait=allow_unschedulable))
     return created(answer.job_id, answer.version, answer.body, answer.created)
 
 
@@ -49,12 +55,12 @@ def created(job_id: str, version: int, body: bytes, new: bool) -> Response:
 
 
 def accept(spec: JobSpec, *, request: Request, db, redis, settings, principal, idempotency_key: str | None,
-           cloned_from: str | None = None) -> Response:
+           cloned_from: str | None = None, wait: bool = False) -> Response:
     """Every check of a submission, the row committed, then the queue entry (a clone: one at a time)."""
     with db:  # closed in this thread
         job, new = admission.admit(spec, db=db, redis=redis, settings=settings, principal=principal,
                                    idempotency_key=idempotency_key, cloned_from=cloned_from,
-                                   needs=request.app.state.job_needs)
+                                   needs=request.app.state.job_needs, wait=wait)
         body = request.app.state.job_bodies.render(job)
     return created(job.id, job.version, body, new)
 
@@ -70,13 +76,14 @@ class CloneRequest(BaseModel):
 @router.post("/{job_id}/clone", status_code=201, response_model=JobPublic,
              responses=REPLAYED | responses(400, 403, 404, 409, 413, 429))
 def clone_job(job_id: JobIdDep, body: CloneRequest, request: Request, db: SessionDep, redis: RedisDep,
-              settings: SettingsDep, principal: PrincipalDep, idempotency_key: IdempotencyKey = None) -> Response:
+              settings: SettingsDep, principal: PrincipalDep, idempotency_key: IdempotencyKey = None,
+              allow_unschedulable: AllowUnschedulable = False) -> Response:
     """A new job whose spec is this one's with `set` applied (checked as a submission is); it names its source
     (`cloned_from`). The source's strategy is the one it ran with (an "auto" was resolved when it was made)."""
     source = service.get(db, job_id=job_id)
     spec = with_overrides(source.spec, body.set)
     return accept(spec, request=request, db=db, redis=redis, settings=settings, principal=principal,
-                  idempotency_key=idempotency_key, cloned_from=source.id)
+                  idempotency_key=idempotency_key, cloned_from=source.id, wait=allow_unschedulable)
 
 
 @router.get("", response_model=JobsPublic)

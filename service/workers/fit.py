@@ -15,6 +15,7 @@ GiB = 2**30
 # The labels a worker sets itself (worker/inventory.py), never from TRAINJOBS_WORKER_LABELS.
 RESERVED_LABEL_PREFIX = "trainjobs.io/"
 PIP_LABEL = "trainjobs.io/pip"  # "true": it builds environments for entrypoint.requirements (TRAINJOBS_ALLOW_PIP)
+ENTRYPOINTS_LABEL = "trainjobs.io/entrypoints"  # "true": it runs users' own code (TRAINJOBS_ALLOW_ENTRYPOINTS)
 
 
 class Offer(Protocol):
@@ -34,6 +35,7 @@ class Need:
     labels: dict[str, str] = field(default_factory=dict)
     nodes: int = 1
     pip: bool = False  # it asks for entrypoint.requirements
+    entrypoint: bool = False  # it runs the user's own code
 
 
 def need_of(spec: JobSpec, plan: dict[str, Any] | None) -> Need:
@@ -45,7 +47,8 @@ def need_of(spec: JobSpec, plan: dict[str, Any] | None) -> Need:
         estimate *= res.nproc_per_node  # the plan is per rank; on a CPU host the ranks share one memory
     return Need(device=res.device, slots=res.nproc_per_node, memory_bytes=estimate, memory_device=memory_device,
                 labels=dict(res.selector), nodes=res.nnodes,
-                pip=bool(spec.entrypoint is not None and spec.entrypoint.requirements))
+                pip=bool(spec.entrypoint is not None and spec.entrypoint.requirements),
+                entrypoint=spec.entrypoint is not None)
 
 
 def misfit(need: Need, worker: Offer) -> str | None:
@@ -58,6 +61,8 @@ def misfit(need: Need, worker: Offer) -> str | None:
             and worker.memory_bytes < need.memory_bytes):
         return f"{worker.memory_bytes / GiB:.1f} GiB per device, needs {need.memory_bytes / GiB:.1f} GiB"
     labels = worker.labels or {}
+    if need.entrypoint and labels.get(ENTRYPOINTS_LABEL) != "true":
+        return "does not run users' own code (TRAINJOBS_ALLOW_ENTRYPOINTS)"
     if need.pip and labels.get(PIP_LABEL) != "true":
         return "does not install requirements (TRAINJOBS_ALLOW_PIP)"
     missing = {k: v for k, v in need.labels.items() if str(labels.get(k)) != v}

@@ -7,6 +7,7 @@ from sqlalchemy import case, delete, select, update
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
+from service.errors import Forbidden
 from service.workers import fit
 from service.workers.models import Worker
 from trainjobs.errors import InvalidRequest
@@ -113,3 +114,33 @@ def check_pip(spec: JobSpec, *, live_workers: Sequence[Worker]) -> None:
         raise InvalidRequest("no live worker installs a job's requirements: an operator starts one with "
                              "TRAINJOBS_ALLOW_PIP=1 and TRAINJOBS_ALLOW_ENTRYPOINTS=1 (or ship the dependencies "
                              "in the package, or drop entrypoint.requirements)", field="entrypoint.requirements")
+
+
+WAIT_HINT = ("; or submit with allow_unschedulable=true (`trainjobs submit/run --allow-unschedulable`) to wait for "
+             "such a worker")
+
+
+def check_schedulable(spec: JobSpec, *, live_workers: Sequence[Worker]) -> None:
+    """A job that no live worker could run a node of is refused now, naming what it asks that none has, as Slurm
+    refuses a job that no node of its partition could ever run: 403 for users' own code on a pool that runs none,
+    else a 422 naming the field. With no live worker at all (a pool starting) it is taken, and waits. The caller
+    skips this for a submission that says it will wait for such a worker."""
+    live = [w for w in live_workers if w.state != "draining"]
+    need = fit.need_of(spec, None)  # (the memory plan has its own 422)
+    if not live or any(fit.misfit(need, w) is None for w in live):
+        return
+    if need.entrypoint and not any((w.labels or {}).get(fit.ENTRYPOINTS_LABEL) == "true" for w in live):
+        raise Forbidden("no live worker runs users' own code: an operator starts workers with "
+                        "TRAINJOBS_ALLOW_ENTRYPOINTS=1" + WAIT_HINT, field="entrypoint")
+    kinds = sorted({w.device for w in live})
+    if need.device != "auto" and need.device not in kinds:
+        raise InvalidRequest(f"no live worker has device {need.device}: the pool has {len(live)} "
+                             f"{'/'.join(kinds)} worker(s)" + WAIT_HINT, field="resources.device")
+    same = [w for w in live if need.device in ("auto", w.device)]
+    largest = max(same, key=lambda w: w.slots)
+    if largest.slots < need.slots:
+        raise InvalidRequest(f"needs {need.slots} processes per node; the largest live worker ({largest.id}) offers "
+                             f"{largest.slots}" + WAIT_HINT, field="resources.nproc_per_node")
+    misses = "; ".join(f"{w.id}: {m}" for w in live if (m := fit.misfit(need, w)))[:400]
+    field = "resources.selector" if need.labels else "resources"
+    raise InvalidRequest(f"no live worker fits ({misses})" + WAIT_HINT, field=field)
