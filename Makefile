@@ -56,6 +56,7 @@ bench: $(STAMP) services
 	$(PY) bench/polling.py
 	$(PY) bench/auth.py
 	$(PY) bench/scheduler_sim.py
+	$(PY) bench/device_sim.py
 	$(PY) bench/watch.py
 	$(PY) bench/sandbox.py
 	$(PY) bench/job_writes.py
