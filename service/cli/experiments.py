@@ -1,16 +1,20 @@
 """Working with runs you already have: `trainjobs resubmit ID --set k=v`, `trainjobs metrics ID`, `trainjobs
 artifacts ID [--download NAME]`."""
 
+from __future__ import annotations
+
 import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import yaml
 from rich.console import Console
 
 from service.cli.follow import exit_code, follow, print_outcome
-from trainjobs.client import Client
+
+if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from trainjobs.client import Client
 
 console = Console(markup=False)
 err = Console(stderr=True, markup=False)
@@ -18,6 +22,8 @@ err = Console(stderr=True, markup=False)
 
 def override(text: str) -> tuple[str, object]:
     """PATH=VALUE, the value read as YAML (3e-4 a number, true a bool, [1, 2] a list, anything else a string)."""
+    import yaml  # here, not at the top: only `resubmit --set` needs it, and every command imports this module
+
     path, sep, value = text.partition("=")
     if not sep or not path:
         raise argparse.ArgumentTypeError(f"{text!r} is not PATH=VALUE (e.g. optimizer.lr=3e-4)")

@@ -1,17 +1,21 @@
 """`--follow`: a job's progress bar, fed by its event stream, and the job's outcome as an exit code."""
 
+from __future__ import annotations
+
 import os
 import signal
 import sys
 import threading
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from trainjobs.client import Client, Event
+if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from trainjobs.client import Client, Event
 
 # What `trainjobs submit --follow` exits with, like a command that ran the job itself: 130 is a shell's code
 # for "stopped by SIGINT", also what Ctrl-C of the follower gives (the job keeps running then).

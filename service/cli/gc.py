@@ -2,19 +2,24 @@
 
 import json
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from service.cli.tokens import parse_duration
-from service.db import make_engine, make_sessionmaker, utcnow
-from service.jobs import retention
-from service.settings import Settings
+
+if TYPE_CHECKING:  # annotations only: main() hands this command the settings it has loaded
+    from service.settings import Settings
 
 console = Console()
 DEFAULT_DAYS = 30
 
 
-def cmd_gc(args, settings: Settings) -> int:
+def cmd_gc(args, settings: "Settings") -> int:
+    # NOTE: the database, here only: the CLI's client commands import this module too, and must not load SQLAlchemy.
+    from service.db import make_engine, make_sessionmaker, utcnow
+    from service.jobs import retention
+
     older_than = timedelta(seconds=args.older_than) if args.older_than else timedelta(
         days=settings.retention_days or DEFAULT_DAYS)
     engine = make_engine(settings.resolved_database_url)

@@ -1,14 +1,25 @@
-"""The `trainjobs` command."""
+"""The `trainjobs` command.
+
+Client commands (status, list, submit, logs, ...) only talk HTTP through trainjobs.client, and must start fast
+(in well under 0.2 s): no module the CLI imports at its top imports SQLAlchemy or the server (service.db,
+service.jobs, the API), Redis, rq, torch, or even service.settings (pydantic-settings); the SDK itself (httpx)
+loads once the arguments are parsed, so `trainjobs --help` does without it. What a server-side command (up,
+api, worker, demo, db, gc) needs is imported inside the function that runs it. tests/test_cli_startup.py
+holds the line.
+"""
+
+from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
-import yaml
 from rich.console import Console
 from rich.text import Text
 
@@ -21,9 +32,11 @@ from service.cli import tables
 from service.cli import tokens as auth_cli
 from service.cli import webhooks as webhooks_cli
 from service.cli.follow import exit_code, follow, print_outcome
-from service.settings import Settings, check_bind, get_settings
-from trainjobs.client import APIError, Client, find_token
 from trainjobs.states import TERMINAL, JobStatus
+
+if TYPE_CHECKING:  # imported when a command runs (see main): `trainjobs --help` needs neither httpx nor pydantic
+    from service.settings import Settings
+    from trainjobs.client import Client
 
 # What the CLI prints is mostly the user's own text (job names, error messages, logs): printed as text, never read
 # as rich markup (`[rank0]: boom` stays whole, and a `[/]` in it is no crash). Styling is explicit (Text).
@@ -31,6 +44,8 @@ console = Console(markup=False)
 
 
 def load_spec(path: str) -> dict:
+    import yaml  # here: a client command that reads no spec does without it
+
     text = Path(path).read_text()
     return yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
 
@@ -42,7 +57,7 @@ def cmd_submit(args, client: Client) -> int:
         if not isinstance(spec.get("entrypoint"), dict):
             raise ValueError("--workdir ships your code with an entrypoint job: the spec needs an `entrypoint`")
         spec["entrypoint"]["package"] = run_cli.upload(client, Path(args.workdir))
-    job = client.submit(spec)
+    job = client.submit(spec, allow_unschedulable=args.allow_unschedulable)
     if args.json:  # the submitted job; with --follow, the finished one
         if not args.follow:
             return print_json(job)
@@ -195,6 +210,7 @@ def cmd_demo(args, settings: Settings) -> int:
     """Start a stack on a free port, run one job with a progress bar, print its summary, stop."""
     from service.cli.stack import Stack
     from service.undumpable import make_undumpable
+    from trainjobs.client import Client
 
     make_undumpable()  # as `up`
     with socket.socket() as s:
@@ -212,6 +228,7 @@ def cmd_demo(args, settings: Settings) -> int:
 def cmd_api(args, settings: Settings) -> int:
     import uvicorn
 
+    from service.settings import check_bind
     from service.undumpable import make_undumpable, start_resource_tracker_scrubbed
 
     check_bind(settings, args.host)
@@ -280,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "130 cancelled (Ctrl-C stops following, not the job)")
     submit.add_argument("--json", action="store_true", help="the job as JSON (with --follow: once it has ended)")
     submit.add_argument("--quiet", action="store_true", help="with --follow: the progress bar alone, not the output")
+    submit.add_argument("--allow-unschedulable", action="store_true",
+                        help="take the job though no live worker could run it now: it waits for one")
     submit.add_argument("--node", type=int, default=0, metavar="K",
                         help="with --follow: node K's output, for a multi-node job (default 0)")
     submit.add_argument("--workdir", metavar="DIR", help="pack and upload DIR with the job (entrypoint jobs)")
@@ -325,12 +344,79 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    settings = get_settings()
+@dataclass(frozen=True)
+class ClientSettings:
+    """What a client command needs of the settings: where the API is, and the token to call it with.
+
+    NOTE: read from the environment as service.settings.Settings reads these four fields (TRAINJOBS_ prefix,
+    names in any case, the same defaults and the same secrets directory), without it: pydantic-settings alone
+    takes longer to import than the rest of a client command's start. tests/test_cli_startup.py compares the
+    two. A client command is thus no longer refused for a server-side setting it does not use.
+    """
+
+    api_url: str
+    token: str | None
+    data_dir: Path
+    secrets_dir: Path | None
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> ClientSettings:
+        env = {name.lower(): value for name, value in environ.items()}  # case-insensitive, as Settings reads it
+        secrets_dir = env.get("trainjobs_secrets_dir")
+        return cls(api_url=env.get("trainjobs_api_url", "http://127.0.0.1:8000"), token=env.get("trainjobs_token"),
+                   data_dir=Path(env.get("trainjobs_data_dir", "./trainjobs-data")),
+                   secrets_dir=None if secrets_dir is None else Path(secrets_dir))
+
+    @property
+    def admin_token_file(self) -> Path:
+        """As Settings.admin_token_file: <secrets dir>/admin.token, by default next to the data dir."""
+        if self.secrets_dir:
+            secrets = self.secrets_dir.resolve()
+        else:
+            data_dir = self.data_dir.resolve()
+            secrets = data_dir.with_name(f"{data_dir.name}-secrets")
+        return secrets / "admin.token"
+
+
+def import_httpx():
+    """httpx, without its own command line. NOTE: httpx's __init__ imports httpx._main (click, pygments,
+    rich.syntax: about 30 ms, a fifth of a client command's start) inside a try that falls back to a stub
+    when those are not installed; a None in sys.modules makes that import fail the same way. The CLI never
+    runs httpx's command line. An httpx that no longer tolerates it is imported as it is."""
+    if "httpx" in sys.modules:
+        return sys.modules["httpx"]
+    sys.modules["httpx._main"] = None
     try:
-        if hasattr(args, "remote"):
+        import httpx
+    except ImportError:
+        httpx = None
+    finally:
+        del sys.modules["httpx._main"]
+    if httpx is None:
+        import httpx
+    return httpx
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # `trainjobs` alone: what it can do, and no error
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # The SDK and its HTTP client, for every command that runs (the except clauses below name them).
+    httpx = import_httpx()
+    from trainjobs.client import APIError, Client, find_token
+
+    remote = hasattr(args, "remote")
+    if remote:
+        settings = ClientSettings.from_env()
+    else:  # a server-side command: the whole settings (pydantic-settings), imported only now
+        from service.settings import get_settings
+
+        settings = get_settings()
+    try:
+        if remote:
             return args.remote(args, Client(settings.api_url, token=find_token(settings)))
         return args.local(args, settings)
     except APIError as exc:

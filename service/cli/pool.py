@@ -1,11 +1,15 @@
 """The fair pool from a terminal: `trainjobs queue`, `trainjobs team set|list`, `trainjobs user set` (admins)."""
 
+from __future__ import annotations
+
 import json
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from trainjobs.client import Client
+if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from trainjobs.client import Client
 
 console = Console(markup=False)
 

@@ -6,15 +6,19 @@ The folder (`--workdir`, default `.`) is packed and uploaded with the job (only 
 that package already); the script is relative to it. `--dry-run` prints the spec and sends nothing.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from service.cli.follow import exit_code, follow, print_outcome
-from trainjobs.client import Client
-from trainjobs.spec import JobSpec, read_requirements
+
+if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from trainjobs.client import Client
 
 console = Console(markup=False)
 err = Console(stderr=True, markup=False)
@@ -29,6 +33,8 @@ def env_pair(text: str) -> tuple[str, str]:
 
 def make_spec(args) -> dict:
     """The spec the flags describe, validated here (a bad flag is an error before anything is packed)."""
+    from trainjobs.spec import JobSpec, read_requirements  # pydantic's models: only for `run`, not every command
+
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
     if args.module:
@@ -81,7 +87,7 @@ def cmd_run(args, client: Client) -> int:
         return 0
     if workdir is not None:
         spec["entrypoint"]["package"] = upload(client, workdir)
-    job = client.submit(spec)
+    job = client.submit(spec, allow_unschedulable=args.allow_unschedulable)
     if args.json:
         if not args.follow:
             print(json.dumps(job, indent=2))
@@ -146,6 +152,8 @@ def register(sub) -> None:
                         "130 cancelled (Ctrl-C stops following, not the job)")
     run.add_argument("--json", action="store_true", help="the job as JSON (with --follow: once it has ended)")
     run.add_argument("--quiet", action="store_true", help="with --follow: the progress bar alone, not the output")
+    run.add_argument("--allow-unschedulable", action="store_true",
+                        help="take the job though no live worker could run it now: it waits for one")
     run.add_argument("--node", type=int, default=0, metavar="K",
                         help="with --follow: node K's output, for a multi-node job (default 0)")
     run.set_defaults(remote=cmd_run)

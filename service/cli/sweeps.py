@@ -1,15 +1,18 @@
 """Sweeps from the command line: `trainjobs sweep FILE [--follow]`, `trainjobs sweeps`, `trainjobs sweep-status ID`
 (the trials table, best first), `trainjobs sweep-cancel ID`."""
 
+from __future__ import annotations
+
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import yaml
 from rich.console import Console
 from rich.table import Column, Table
 
-from trainjobs.client import Client
+if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from trainjobs.client import Client
 
 console = Console(markup=False)
 FOLLOW_POLL_S = 2.0
@@ -17,6 +20,8 @@ FOLLOW_POLL_S = 2.0
 
 def load(path: str) -> dict:
     """YAML (.yaml, .yml) or JSON, by the file's name, as `submit` reads a spec."""
+    import yaml  # here: the other commands do without it (start-up time)
+
     text = Path(path).read_text()
     return yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
 

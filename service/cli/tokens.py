@@ -1,13 +1,17 @@
 """`trainjobs token create|list|revoke`: tokens through the API (an admin token makes them)."""
 
+from __future__ import annotations
+
 import argparse
 import json
 import re
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from trainjobs.client import Client
+if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from trainjobs.client import Client
 
 err = Console(stderr=True, markup=False)  # names and users are the user's text, printed as text
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -1,14 +1,20 @@
 """`trainjobs webhooks create|list|delete|deliveries|test`: webhooks through the API (trainjobs.Client)."""
 
+from __future__ import annotations
+
 import json
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Column, Table
 
-from service.webhooks.outbox import EVENTS
-from trainjobs.client import Client
+if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from trainjobs.client import Client
 
 out, err = Console(markup=False), Console(stderr=True, markup=False)  # URLs and answers are the user's text
+# NOTE: a copy of service.webhooks.outbox.EVENTS, which lives beside the outbox's SQLAlchemy queries: importing
+# it would load SQLAlchemy into every CLI command. tests/test_cli_startup.py checks that the two agree.
+EVENTS = ("job.started", "job.succeeded", "job.failed", "job.cancelled", "job.hung", "job.preempted")
 
 
 def cmd_create(args, client: Client) -> int:
