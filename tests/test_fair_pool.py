@@ -127,7 +127,9 @@ def test_a_two_node_job_starts_within_the_reservation_bound_behind_a_stream_of_o
 def test_a_team_over_its_slot_quota_waits_with_the_quota_as_its_reason(stack, api):
     assert api.put("/v1/teams/vision", json={"weight": 1, "max_slots": 1}).status_code == 200
     vera = user(stack, api, "vera", team="vision")
-    first = vera.post("/v1/jobs", json=small("q1", lane=None, steps=2000)).json()["id"]
+    # Long enough to be running while the sweeper writes the second one's reason (it is cancelled below): 2000
+    # steps ended in seconds on a quiet machine, and the second then ran without ever waiting.
+    first = vera.post("/v1/jobs", json=small("q1", lane=None, steps=200_000)).json()["id"]
     second = vera.post("/v1/jobs", json=small("q2", lane=None)).json()["id"]
     wait_for(lambda: vera.get(f"/v1/jobs/{first}").json()["status"] == "running", 60, what="the first to run")
     wait_for(lambda: (vera.get(f"/v1/jobs/{second}").json()["pending_reason"] or "").startswith("over team quota"),

@@ -116,7 +116,8 @@ async def job_events(request: Request, job_id: str, cursor: int | None, mode: Me
         snap = await run_in_threadpool(poll, factory, job_id, cursor, mode != "none")
         terminal = JobStatus(snap.status).is_terminal()
         if (snap.status, snap.pending_reason) != status and not terminal:  # queued: why it waits, as it changes
-            yield event("status", cursor, {"status": snap.status, "pending_reason": snap.pending_reason})
+            yield event("status", cursor, {"status": snap.status, **({"pending_reason": snap.pending_reason}
+                                                                       if snap.pending_reason else {})})
         if snap.progress != progress:
             yield event("progress", cursor, snap.progress)
         if snap.log_end != log_end:
