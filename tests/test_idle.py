@@ -52,7 +52,9 @@ def test_sleeping_ranks_are_named_idle_once_a_busy_job_is_not_and_each_ranks_cpu
     assert f"warning (idle): {warning['message']}" in status.stdout, status.stdout + status.stderr
     series = {s["name"]: s for s in api.get(f"/v1/jobs/{sleeping['id']}/metrics").json()["series"]}
     assert {"cpu_util/rank0", "cpu_util/rank1"} <= set(series), list(series)
-    assert all(v < 5 for v in series["cpu_util/rank1"]["values"][-3:]), series["cpu_util/rank1"]
+    # Most samples show the sleeping rank idle; its start and its end (the final checkpoint) may not be.
+    rank1 = sorted(series["cpu_util/rank1"]["values"])
+    assert rank1[len(rank1) // 2] < 5, series["cpu_util/rank1"]
 
     assert busy["warnings"] == [], busy["warnings"]  # nor a straggler: its ranks are even
     busy_series = {s["name"]: s for s in api.get(f"/v1/jobs/{busy['id']}/metrics").json()["series"]}
