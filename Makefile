@@ -8,13 +8,13 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test print-test-workers print-test-redis-password-file up services lint bench clean
+.PHONY: demo test print-test-workers print-test-redis-password-file up services lint bench clean docs docs-build
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[worker,dev]'
+	$(PY) -m pip install -q -e '.[worker,dev,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -60,6 +60,16 @@ bench: $(STAMP) services
 	$(PY) bench/watch.py
 	$(PY) bench/sandbox.py
 	$(PY) bench/job_writes.py
+
+# The documentation site (mkdocs.yml): `docs` serves it with live reload, `docs-build` builds it into site/ with
+# --strict (a broken link or a missing page fails). The Reference is generated from the code at each build.
+DOCS_ADDR ?= 127.0.0.1:8001
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr $(DOCS_ADDR)
+
+docs-build: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) trainjobs-data
