@@ -266,7 +266,7 @@ def test_submit_follow_prints_a_ranks_error_as_text_and_exits_with_the_outcome(s
 def test_an_api_error_quoting_the_users_text_prints_it_as_text(stack):
     returncode, out = finish(trainjobs(stack, "status", "[rank0]"))
     assert returncode == 2, out
-    assert "error: HTTP 404: job '[rank0]' not found" in out
+    assert "error: no job matches '[rank0]'" in out  # not a job id: looked up as a name, and said so
 
 
 def test_logs_follow_asks_the_stream_for_no_points(stack, db):

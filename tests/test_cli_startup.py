@@ -110,9 +110,12 @@ def test_the_client_settings_are_those_the_server_settings_read(env, monkeypatch
             monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TRAINJOBS_CONFIG", str(tmp_path / "no-config.toml"))  # no `trainjobs login` here
     monkeypatch.chdir(tmp_path)
     light, full = cli.ClientSettings.from_env(), Settings()
-    assert (light.api_url, light.token, light.admin_token_file) == (full.api_url, full.token, full.admin_token_file)
+    # An empty token is none: neither sends one.
+    assert (light.api_url, light.token or None, light.admin_token_file) == (full.api_url, full.token or None,
+                                                                            full.admin_token_file)
 
 
 def test_the_cli_knows_every_webhook_event():

@@ -1,13 +1,18 @@
 """The SDK (`trainjobs.Client`), which the CLI uses too: every call talks to the API, never to the database.
 
     from trainjobs import Client, APIError
-    c = Client()                                   # TRAINJOBS_API_URL and TRAINJOBS_TOKEN, like the CLI
+    c = Client()                                   # found as the CLI finds it (see connect)
     job = c.submit(spec)                           # the job as the API returns it (a dict)
     job = c.wait(job["id"], timeout=600)           # the finished job
     print(c.logs(job["id"]), c.metrics(job["id"], name="loss"))
 
 Return values are the API's JSON as plain dicts (their fields: the README's API table and /docs); every
 error the API answers is an APIError carrying `status` and the API's `detail`.
+
+Where the API is and the token to call it with, in this order (the CLI reads the same): the arguments (the
+CLI's --api-url and --token), TRAINJOBS_API_URL and TRAINJOBS_TOKEN, the config file `trainjobs login` writes
+(TRAINJOBS_CONFIG, else $XDG_CONFIG_HOME/trainjobs/config.toml, else ~/.config/trainjobs/config.toml), the
+admin token file of a local `trainjobs up`, then http://127.0.0.1:8000 with no token.
 """
 
 import json
@@ -100,6 +105,131 @@ def raise_for_status(response: httpx.Response) -> httpx.Response:
     return response
 
 
+CONFIG_ENV = "TRAINJOBS_CONFIG"
+DEFAULT_API_URL = "http://127.0.0.1:8000"
+
+
+def lower_env(environ=None) -> dict[str, str]:
+    """The environment with lower-case names: TRAINJOBS_* are read in any case, as the server's Settings reads them."""
+    return {name.lower(): value for name, value in (os.environ if environ is None else environ).items()}
+
+
+def config_path(environ=None) -> Path:
+    """The per-user config file: TRAINJOBS_CONFIG, else $XDG_CONFIG_HOME/trainjobs/config.toml, else
+    ~/.config/trainjobs/config.toml."""
+    env = lower_env(environ)
+    if env.get("trainjobs_config"):
+        return Path(env["trainjobs_config"]).expanduser()
+    base = (environ if environ is not None else os.environ).get("XDG_CONFIG_HOME")
+    return (Path(base) if base else Path.home() / ".config") / "trainjobs" / "config.toml"
+
+
+def read_config(path: Path) -> dict[str, str]:
+    """The config file's string keys (api_url, token); {} when there is none. A file that is not TOML is a
+    ValueError naming it, the line and the column (tomllib's message carries them)."""
+    if not path.exists():
+        return {}
+    import tomllib  # here: 2 ms of a CLI command's start, spent only where there is a file to read
+
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not a valid config file ({exc}); fix it, or run `trainjobs login` again") from None
+    return {key: value for key, value in data.items() if isinstance(value, str)}
+
+
+def write_config(path: Path, values: dict[str, str]) -> None:
+    """Write the config file whole, readable by its owner only (0600: it holds a token), in one rename."""
+    def toml_string(value: str) -> str:  # a TOML basic string: JSON's escapes are TOML's (\uXXXX for the rest)
+        return json.dumps(value)
+
+    import tempfile  # here: only login and logout write
+
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    text = "# written by `trainjobs login`; read by the CLI and trainjobs.Client()\n" + "".join(
+        f"{key} = {toml_string(value)}\n" for key, value in values.items() if value is not None)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mkstemp: mode 0600 from the start
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def admin_token_file(environ=None) -> Path:
+    """As the server's Settings.admin_token_file: <TRAINJOBS_SECRETS_DIR>/admin.token, by default in the data
+    dir's sibling <TRAINJOBS_DATA_DIR>-secrets (./trainjobs-data-secrets), where `trainjobs up` writes it."""
+    env = lower_env(environ)
+    if env.get("trainjobs_secrets_dir"):
+        return Path(env["trainjobs_secrets_dir"]).resolve() / "admin.token"
+    data_dir = Path(env.get("trainjobs_data_dir", "./trainjobs-data")).resolve()
+    return data_dir.with_name(f"{data_dir.name}-secrets") / "admin.token"
+
+
+def same_api(a: str, b: str) -> bool:
+    return a.rstrip("/") == b.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where the API is, the token to call it with, and where each was found (for an error that says so)."""
+
+    api_url: str
+    token: str | None
+    url_from: str
+    token_from: str | None
+    config_path: Path
+    admin_token_file: Path
+
+    def unauthorized_hint(self) -> str:
+        """What a 401 adds: where the token came from, or everywhere a token was looked for."""
+        if self.token:
+            return (f"the token from {self.token_from} was refused by {self.api_url}: run `trainjobs login "
+                    f"{self.api_url}` with a valid token")
+        return (f"no token for {self.api_url}: looked at --token, TRAINJOBS_TOKEN, {self.config_path} and "
+                f"{self.admin_token_file}; run `trainjobs login {self.api_url} --token ...` (or set TRAINJOBS_TOKEN)")
+
+
+def connect(api_url: str | None = None, token: str | None = None, *, environ=None,
+            url_flag: str = "the base_url argument", token_flag: str = "the token argument") -> Connection:
+    """Find the API and the token: the arguments, then TRAINJOBS_API_URL / TRAINJOBS_TOKEN, then the config
+    file, then (the token only) a local admin token file, then the default URL.
+
+    NOTE: the config file's token goes only to the API it was checked against (its api_url): a TRAINJOBS_API_URL
+    or --api-url that points elsewhere never receives it.
+    """
+    env = lower_env(environ)
+    path = config_path(environ)
+    # Read only when something is still to find: a broken file never stops a caller who gave both.
+    needed = not (api_url or env.get("trainjobs_api_url")) or not (token or env.get("trainjobs_token"))
+    config = read_config(path) if needed else {}
+    if api_url:
+        url, url_from = api_url, url_flag
+    elif env.get("trainjobs_api_url"):
+        url, url_from = env["trainjobs_api_url"], "TRAINJOBS_API_URL"
+    elif config.get("api_url"):
+        url, url_from = config["api_url"], str(path)
+    else:
+        url, url_from = DEFAULT_API_URL, "the default"
+    admin_file = admin_token_file(environ)
+    found, token_from = None, None
+    if token:
+        found, token_from = token, token_flag
+    elif env.get("trainjobs_token"):
+        found, token_from = env["trainjobs_token"], "TRAINJOBS_TOKEN"
+    elif config.get("token") and same_api(config.get("api_url") or url, url):
+        found, token_from = config["token"], str(path)
+    elif admin_file.is_file():
+        try:
+            found, token_from = admin_file.read_text().strip() or None, str(admin_file)
+        except OSError:  # another user's stack: not ours to read
+            pass
+    return Connection(api_url=url, token=found, url_from=url_from, token_from=token_from if found else None,
+                      config_path=path, admin_token_file=admin_file)
+
+
 def find_token(settings) -> str | None:
     """TRAINJOBS_TOKEN, else the admin token the API (or `trainjobs up`) wrote into the secrets directory."""
     if settings.token:
@@ -108,18 +238,18 @@ def find_token(settings) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
-DEFAULT_API_URL = "http://127.0.0.1:8000"
 WAIT_POLL_S = (0.2, 2.0)  # wait() polls from every 0.2 s up to every 2 s (the API's ETag makes a poll cheap)
 
 
 class Client:
-    """The API, from Python. base_url and token default to TRAINJOBS_API_URL and TRAINJOBS_TOKEN."""
+    """The API, from Python. base_url and token: as the CLI finds them when not given (see `connect`)."""
 
-    def __init__(self, base_url: str | None = None, timeout: float = 30, token: str | None = None):
-        base_url = base_url or os.environ.get("TRAINJOBS_API_URL") or DEFAULT_API_URL
-        token = token or os.environ.get("TRAINJOBS_TOKEN")
+    def __init__(self, base_url: str | None = None, timeout: float = 30, token: str | None = None, *,
+                 connection: Connection | None = None):
+        self.connection = connection or connect(base_url, token)
+        token = self.connection.token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=base_url, timeout=timeout, headers=headers)
+        self.http = httpx.Client(base_url=self.connection.api_url, timeout=timeout, headers=headers)
         self.last_upload = None  # upload_package: what it sent last (None: the API had it already)
 
     def close(self) -> None:
@@ -132,7 +262,20 @@ class Client:
         self.close()
 
     def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
-        return raise_for_status(self.http.request(method, path, **kwargs))
+        return self._checked(self.http.request(method, path, **kwargs))
+
+    def _checked(self, response: httpx.Response) -> httpx.Response:
+        """raise_for_status, and a 401 says where the token came from, or where none was found."""
+        try:
+            return raise_for_status(response)
+        except APIError as exc:
+            if exc.status == 401:
+                raise APIError(401, f"{format_detail(exc.detail)} ({self.connection.unauthorized_hint()})") from None
+            raise
+
+    def me(self) -> dict:
+        """Who the token is: {"user", "role", "token_id", "can_run_entrypoints"} (GET /v1/me)."""
+        return self._call("GET", "/v1/me").json()
 
     def submit(self, spec: dict, *, workdir: str | os.PathLike | None = None, attempts: int = 3,
                allow_unschedulable: bool = False) -> dict:
@@ -164,10 +307,24 @@ class Client:
         return self._call("GET", f"/v1/jobs/{job_id}").json()
 
     def list(self, status: str | None = None, limit: int = 20, *, name: str | None = None,
-             tag: str | None = None, sweep: str | None = None) -> dict:
-        """A page of jobs, newest first; `name` matches a prefix, `tag` one of spec.tags, `sweep` a sweep's trials."""
-        params = {"limit": limit, "status": status, "name": name, "tag": tag, "sweep": sweep}
+             tag: str | None = None, sweep: str | None = None, owner: str | None = None,
+             cursor: str | None = None) -> dict:
+        """A page of jobs, newest first; `name` matches a prefix, `tag` one of spec.tags, `sweep` a sweep's trials,
+        `owner` a user's (admins; a user sees only their own); `cursor` (the last page's next_cursor) the page
+        after: older jobs (ids below it)."""
+        params = {"limit": limit, "status": status, "name": name, "tag": tag, "sweep": sweep, "owner": owner,
+                  "cursor": cursor}
         return self._call("GET", "/v1/jobs", params={k: v for k, v in params.items() if v is not None}).json()
+
+    def iter_jobs(self, status: str | None = None, *, name: str | None = None, tag: str | None = None,
+                  sweep: str | None = None, owner: str | None = None, page_size: int = 200) -> Iterator[dict]:
+        """Every job that matches, newest first, page after page (as they are read: stop when you have enough)."""
+        cursor = None
+        while True:
+            page = self.list(status, page_size, name=name, tag=tag, sweep=sweep, owner=owner, cursor=cursor)
+            yield from page["items"]
+            if not (cursor := page["next_cursor"]):
+                return
 
     def clone(self, job_id: str, overrides: dict | None = None) -> dict:
         """A new job: this one's spec with `overrides` ({"optimizer.lr": 3e-4}) applied; it names its source."""
@@ -216,15 +373,19 @@ class Client:
         """Every rank's stack of a running job, without stopping it: {"data": [attempt nodes with "stacks"]}."""
         return self._call("POST", f"/v1/jobs/{job_id}/stacks", timeout=max(self.http.timeout.read or 0, 30)).json()
 
-    def metrics(self, job_id: str, name: str | None = None, node_rank: int = 0) -> dict:
-        params = {"node_rank": node_rank} | ({"name": name} if name else {})
+    def metrics(self, job_id: str, name: str | None = None, node_rank: int = 0, *,
+                max_points: int | None = None) -> dict:
+        """The job's series ({"series": [{"name", "steps", "values"}]}), or the one named; `max_points` thins each
+        to about that many points (min and max per bucket)."""
+        params = {"node_rank": node_rank} | ({"name": name} if name else {}) | (
+            {"max_points": max_points} if max_points else {})
         return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params).json()
 
     def metrics_csv(self, job_id: str, name: str | None = None) -> Iterator[str]:
         """Every stored point as CSV lines (step,name,value,node_rank,attempt,time), streamed."""
         params = {"format": "csv"} | ({"name": name} if name else {})
         with self.http.stream("GET", f"/v1/jobs/{job_id}/metrics", params=params) as response:
-            raise_for_status(response)
+            self._checked(response)
             yield from response.iter_lines()
 
     def wait(self, job_id: str, timeout: float | None = None) -> dict:
@@ -262,13 +423,18 @@ class Client:
         return self._call("GET", f"/v1/jobs/{job_id}/artifacts").json()["data"]
 
     def download(self, job_id: str, name: str, dest: str | os.PathLike | None = None) -> Path:
-        """Save the artifact `name` to `dest` (a file, or a folder to put it in; default: the current folder),
-        streamed; returns the file's path. A partial download never stands in for the file."""
+        """Save the artifact `name` to `dest`, streamed; returns the file's path. A partial download never stands
+        in for the file.
+
+        `dest`: a folder to put it in (one that exists, or a path that ends with "/": made if missing), or else
+        the file to write (its folder made if missing); default: the current folder."""
+        folder = dest is None or str(dest).endswith(("/", os.sep)) or Path(dest).is_dir()
         dest = Path(dest) if dest is not None else Path.cwd()
-        target = dest / Path(name).name if dest.is_dir() else dest
+        target = dest / Path(name).name if folder else dest
         partial = target.with_name(f".{target.name}.part")
         with self.http.stream("GET", f"/v1/jobs/{job_id}/artifacts/{name}") as r:
-            raise_for_status(r)
+            self._checked(r)
+            target.parent.mkdir(parents=True, exist_ok=True)  # once the API has the file: no folder for a 404
             try:
                 with open(partial, "wb") as out:
                     for chunk in r.iter_bytes(1 << 20):
@@ -286,7 +452,7 @@ class Client:
         params = {"metrics": metrics} if metrics != "all" else {}
         with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, params=params,
                               timeout=STREAM_TIMEOUT) as r:
-            yield from parse_sse(raise_for_status(r).iter_lines())
+            yield from parse_sse(self._checked(r).iter_lines())
 
     def follow_events(self, job_id: str, *, metrics: str = "all", give_up_s: float = 60) -> Iterator[Event]:
         """The job's events up to its terminal status, across dropped connections and API restarts.

@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,19 +22,21 @@ from rich.console import Console
 from rich.text import Text
 
 from service.cli import experiments as experiments_cli
+from service.cli import files, ids, tables
 from service.cli import gc as gc_cli
+from service.cli import jobs as jobs_cli
+from service.cli import login as login_cli
 from service.cli import pool as pool_cli
 from service.cli import run as run_cli
 from service.cli import sweeps as sweeps_cli
-from service.cli import tables
 from service.cli import tokens as auth_cli
 from service.cli import webhooks as webhooks_cli
 from service.cli.follow import exit_code, follow, print_outcome
-from trainjobs.states import TERMINAL, JobStatus
+from trainjobs.states import TERMINAL
 
 if TYPE_CHECKING:  # imported when a command runs (see main): `trainjobs --help` needs neither httpx nor pydantic
     from service.settings import Settings
-    from trainjobs.client import Client
+    from trainjobs.client import Client, Connection
 
 # What the CLI prints is mostly the user's own text (job names, error messages, logs): printed as text, never read
 # as rich markup (`[rank0]: boom` stays whole, and a `[/]` in it is no crash). Styling is explicit (Text).
@@ -44,10 +44,8 @@ console = Console(markup=False)
 
 
 def load_spec(path: str) -> dict:
-    import yaml  # here: a client command that reads no spec does without it
-
-    text = Path(path).read_text()
-    return yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
+    """A spec file, YAML or JSON; a mistake in it is one line naming the file, line and column (files.BadFile)."""
+    return files.read_mapping(path)
 
 
 def cmd_submit(args, client: Client) -> int:
@@ -121,14 +119,6 @@ def cmd_stacks(args, client: Client) -> int:
     return 0
 
 
-def cmd_list(args, client: Client) -> int:
-    page = client.list(status=args.status, limit=args.limit, name=args.name, tag=args.tag, sweep=args.sweep)
-    if args.json:
-        return print_json(page)
-    console.print(tables.jobs_table(page))
-    return 0
-
-
 def cmd_workers(args, client: Client) -> int:
     page = client.workers()
     if args.json:
@@ -150,15 +140,6 @@ def cmd_logs(args, client: Client) -> int:
     for text in client.follow_logs(args.job_id, node_rank=args.node):
         sys.stdout.write(json.dumps({"text": text}) + "\n" if args.json else text)
         sys.stdout.flush()
-    return 0
-
-
-def cmd_cancel(args, client: Client) -> int:
-    job = client.cancel(args.job_id)
-    if args.json:
-        return print_json(job)
-    console.print(f"job {job['id']}: {job['status']}" + (" (cancel requested)" if job["status"] not in TERMINAL
-                                                         else ""))
     return 0
 
 
@@ -203,7 +184,18 @@ def cmd_up(args, settings: Settings) -> int:
     if stack.new_admin_token:
         console.print(f"admin token (saved to {settings.admin_token_file}, mode 0600; the CLI reads it "
                       f"there):\n{stack.new_admin_token}", soft_wrap=True)
+    console.print(connect_lines(stack.api_url, settings.admin_token_file), soft_wrap=True)
     return run_forever(stack)
+
+
+def connect_lines(api_url: str, token_file: Path) -> str:
+    """What `up` says about using the stack from another shell or folder: the two lines to export, or login once.
+    The token is named by its file, not printed again."""
+    import shlex
+
+    file = shlex.quote(str(token_file))
+    return (f"to use it from any shell or folder, run once:\n  trainjobs login {api_url} --token-file {file}\n"
+            f"or export:\n  export TRAINJOBS_API_URL={api_url}\n  export TRAINJOBS_TOKEN=$(cat {file})")
 
 
 def cmd_demo(args, settings: Settings) -> int:
@@ -307,25 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("file")
     plan.add_argument("--json", action="store_true", help="the plan as the API returns it")
     plan.set_defaults(remote=cmd_plan)
-    for name, fn in (("status", cmd_status), ("cancel", cmd_cancel)):
-        p = sub.add_parser(name, help=f"{name} of a job")
-        p.add_argument("job_id")
-        p.set_defaults(remote=fn)
-        p.add_argument("--json", action="store_true", help="the job as the API returns it")
+    status = sub.add_parser("status", help="a job: its state, progress, why it waits, its error")
+    status.add_argument("job_id", metavar="JOB", help=JOB_HELP)
+    status.add_argument("--json", action="store_true", help="the job as the API returns it")
+    status.set_defaults(remote=cmd_status)
     stacks = sub.add_parser("stacks", help="every rank's stack of a running job, without stopping it (py-spy)")
-    stacks.add_argument("job_id")
+    stacks.add_argument("job_id", metavar="JOB", help=JOB_HELP)
     stacks.add_argument("--json", action="store_true", help="the attempt's nodes as the API returns them")
     stacks.set_defaults(remote=cmd_stacks)
-    ls = sub.add_parser("list", help="recent jobs, newest first")
-    ls.add_argument("--status", choices=[s.value for s in JobStatus])
-    ls.add_argument("--limit", type=int, default=20)
-    ls.add_argument("--name", help="jobs whose name starts with it")
-    ls.add_argument("--tag", help="jobs that carry this tag (spec.tags)")
-    ls.add_argument("--sweep", metavar="SWEEP_ID", help="the trials of this sweep")
-    ls.add_argument("--json", action="store_true", help="the page as the API returns it")
-    ls.set_defaults(remote=cmd_list)
+    jobs_cli.register(sub)
     logs = sub.add_parser("logs", help="a job's combined output")
-    logs.add_argument("job_id")
+    logs.add_argument("job_id", metavar="JOB", help=JOB_HELP)
     logs.add_argument("--follow", action="store_true", help="stream new output until the job ends")
     logs.add_argument("--json", action="store_true", help="JSON (with --follow: JSON lines)")
     logs.add_argument("--node", type=int, default=0, metavar="K",
@@ -341,41 +325,44 @@ def build_parser() -> argparse.ArgumentParser:
     gc_cli.register(sub)
     pool_cli.register(sub)
     webhooks_cli.register(sub)
+    login_cli.register(sub)
+    add_connection_flags(parser)
     return parser
 
 
-@dataclass(frozen=True)
-class ClientSettings:
-    """What a client command needs of the settings: where the API is, and the token to call it with.
+JOB_HELP = "a job id, a unique prefix of it (4 characters or more) or the job's exact name"
 
-    NOTE: read from the environment as service.settings.Settings reads these four fields (TRAINJOBS_ prefix,
-    names in any case, the same defaults and the same secrets directory), without it: pydantic-settings alone
-    takes longer to import than the rest of a client command's start. tests/test_cli_startup.py compares the
-    two. A client command is thus no longer refused for a server-side setting it does not use.
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """--api-url and --token on every command that calls the API (they win over the environment and the config
+    file). NOTE: walks argparse's subparser actions, so that the modules that register commands need not know."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                add_connection_flags(child)
+    if parser.get_default("remote") is not None:
+        group = parser.add_argument_group("where the API is (else TRAINJOBS_API_URL, TRAINJOBS_TOKEN, the file "
+                                          "`trainjobs login` writes)")
+        group.add_argument("--api-url", metavar="URL", help="the API, e.g. http://127.0.0.1:8000")
+        group.add_argument("--token", dest="api_token", metavar="TOKEN", help="the API token")
+
+
+class ClientSettings:
+    """Where the API is and the token to call it with, for a client command: trainjobs.client.connect, which the
+    SDK's Client() uses too (flag, environment, the config file `trainjobs login` writes, the local admin token
+    file, the default).
+
+    NOTE: the environment is read as service.settings.Settings reads it (TRAINJOBS_ prefix, names in any case,
+    the same defaults and the same secrets directory), without it: pydantic-settings alone takes longer to
+    import than the rest of a client command's start. tests/test_cli_startup.py compares the two. A client
+    command is thus no longer refused for a server-side setting it does not use.
     """
 
-    api_url: str
-    token: str | None
-    data_dir: Path
-    secrets_dir: Path | None
+    @staticmethod
+    def from_env(environ=None, *, api_url: str | None = None, token: str | None = None) -> Connection:
+        from trainjobs.client import connect
 
-    @classmethod
-    def from_env(cls, environ=os.environ) -> ClientSettings:
-        env = {name.lower(): value for name, value in environ.items()}  # case-insensitive, as Settings reads it
-        secrets_dir = env.get("trainjobs_secrets_dir")
-        return cls(api_url=env.get("trainjobs_api_url", "http://127.0.0.1:8000"), token=env.get("trainjobs_token"),
-                   data_dir=Path(env.get("trainjobs_data_dir", "./trainjobs-data")),
-                   secrets_dir=None if secrets_dir is None else Path(secrets_dir))
-
-    @property
-    def admin_token_file(self) -> Path:
-        """As Settings.admin_token_file: <secrets dir>/admin.token, by default next to the data dir."""
-        if self.secrets_dir:
-            secrets = self.secrets_dir.resolve()
-        else:
-            data_dir = self.data_dir.resolve()
-            secrets = data_dir.with_name(f"{data_dir.name}-secrets")
-        return secrets / "admin.token"
+        return connect(api_url, token, environ=environ, url_flag="--api-url", token_flag="--token")
 
 
 def import_httpx():
@@ -397,7 +384,9 @@ def import_httpx():
     return httpx
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, client: Client | None = None) -> int:
+    """The command line's exit code. `client`: the SDK client a client command uses (tests hand one on an app),
+    instead of one made from the settings."""
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # `trainjobs` alone: what it can do, and no error
         parser.print_help()
@@ -406,28 +395,33 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # The SDK and its HTTP client, for every command that runs (the except clauses below name them).
     httpx = import_httpx()
-    from trainjobs.client import APIError, Client, find_token
+    from trainjobs.client import APIError, Client
 
     remote = hasattr(args, "remote")
-    if remote:
-        settings = ClientSettings.from_env()
-    else:  # a server-side command: the whole settings (pydantic-settings), imported only now
-        from service.settings import get_settings
+    settings = None
+    try:
+        if hasattr(args, "configure"):  # login, logout: the config file itself
+            return args.configure(args)
+        if remote:
+            settings = ClientSettings.from_env(api_url=args.api_url, token=args.api_token)
+            client = client or Client(connection=settings)
+            if getattr(args, "job_id", None):  # a prefix or a name: the one job it names
+                args.job_id = ids.resolve(client, args.job_id)
+            return args.remote(args, client)
+        from service.settings import get_settings  # a server-side command: the whole settings, imported only now
 
         settings = get_settings()
-    try:
-        if remote:
-            return args.remote(args, Client(settings.api_url, token=find_token(settings)))
         return args.local(args, settings)
     except APIError as exc:
-        console.print(Text.assemble(("error:", "red"), f" {exc}"))
+        console.print(Text.assemble(("error:", "red"), f" {exc}"), soft_wrap=True)
         return 2
     except httpx.TransportError as exc:
-        console.print(Text.assemble(("error:", "red"), f" cannot reach the API at {settings.api_url} ({exc}); "
-                                                       "is `trainjobs up` running?"))
+        where = "its URL" if settings is None else settings.api_url + (f" (from {settings.url_from})" if remote else "")
+        console.print(Text.assemble(("error:", "red"), f" cannot reach the API at {where} ({exc}); "
+                                                       "is `trainjobs up` running?"), soft_wrap=True)
         return 2
     except (OSError, ValueError, RuntimeError) as exc:
-        console.print(Text.assemble(("error:", "red"), f" {exc}"))
+        console.print(Text.assemble(("error:", "red"), f" {exc}"), soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         return 130

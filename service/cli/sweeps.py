@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -19,11 +18,10 @@ FOLLOW_POLL_S = 2.0
 
 
 def load(path: str) -> dict:
-    """YAML (.yaml, .yml) or JSON, by the file's name, as `submit` reads a spec."""
-    import yaml  # here: the other commands do without it (start-up time)
+    """YAML (.yaml, .yml) or JSON, by the file's name, as `submit` reads a spec: a mistake is one line."""
+    from service.cli.files import read_mapping
 
-    text = Path(path).read_text()
-    return yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
+    return read_mapping(path, "sweep")
 
 
 def value(v) -> str:

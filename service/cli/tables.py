@@ -34,17 +34,84 @@ def job_table(job: dict) -> Table:
     return table
 
 
-def jobs_table(page: dict) -> Table:
-    """One row a job: who, how it runs (strategy, nnodes × processes per node) and how far it got."""
-    table = Table(Column("id", no_wrap=True), "name", "owner", "status", "strategy", "world", "step",
-                  Column("created (UTC)", no_wrap=True))
-    for job in page["items"]:
-        progress, resources = job["progress"], job["spec"]["resources"]
-        status = f"{job['status']} ({job['reason']})" if job.get("reason") else job["status"]
-        table.add_row(job["id"], job["name"], job["owner"], status, job["spec"]["strategy"],
-                      f"{resources['nnodes']}×{resources['nproc_per_node']}",
-                      f"{progress['step']}/{progress['total_steps'] or '?'}", job["created_at"][:16].replace("T", " "))
-    return table
+def format_duration(seconds: float | None) -> str:
+    """A short span, as squeue and kubectl write it: 45s, 12m05s, 3h12m, 2d03h."""
+    if seconds is None:
+        return ""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def since(start: str | None, end: str | None, now: datetime) -> float | None:
+    if start is None:
+        return None
+    return ((datetime.fromisoformat(end) if end else now) - datetime.fromisoformat(start)).total_seconds()
+
+
+def shorten(text: str, width: int) -> str:
+    """`text` in `width` characters: its start and its end kept (trial-007 and run-2 stay apart), … between."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    tail = (width - 1) // 3
+    return text[:width - 1 - tail] + "…" + (text[-tail:] if tail else "")
+
+
+MIN_NAME = 8
+STATUS_LEN = 9  # the longest status without a reason: succeeded, cancelled
+WIDE = 120  # from this many columns on, the jobs list also shows owner, strategy, world and why a job waits
+
+
+def job_row(job: dict, now: datetime) -> dict[str, str]:
+    progress, resources = job["progress"], job["spec"]["resources"]
+    return {
+        "ID": job["id"], "NAME": job["name"],
+        "STATUS": f"{job['status']} ({job['reason']})" if job.get("reason") else job["status"],
+        "STEP": f"{progress['step']}/{progress['total_steps'] or '?'}",
+        # run time: started to finished (or now); a job that never started has none
+        "ELAPSED": format_duration(since(job.get("started_at"), job.get("finished_at"), now)),
+        "AGE": format_duration(since(job["created_at"], None, now)),
+        "OWNER": job["owner"], "STRATEGY": job["spec"]["strategy"],
+        "WORLD": f"{resources['nnodes']}×{resources['nproc_per_node']}",
+        "WAITING": job.get("pending_reason") or "",
+    }
+
+
+def jobs_lines(jobs: list[dict], width: int = 80, now: datetime | None = None) -> list[str]:
+    """The jobs list as plain columns that fit `width` (a terminal's columns; 80 when piped): every id and status
+    whole, the name shortened to what is left. Plain text, not a rich table: a pipe, grep and awk read it too."""
+    now = now or datetime.now(UTC)
+    rows = [job_row(job, now) for job in jobs]
+    columns = ["ID", "NAME", "STATUS", "STEP", "ELAPSED", "AGE"]
+    if width >= WIDE:
+        columns = ["ID", "NAME", "OWNER", "STATUS", "STRATEGY", "WORLD", "STEP", "ELAPSED", "AGE", "WAITING"]
+    widths = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in columns}
+    if "WAITING" in widths:  # the last column: whatever room is left, cut at the end
+        fixed = sum(w + 2 for c, w in widths.items() if c != "WAITING")
+        widths["WAITING"] = max(len("WAITING"), min(widths["WAITING"], width - fixed))
+    room = width - sum(w + 2 for c, w in widths.items() if c != "NAME")
+    # Too narrow for the names: the reasons give way first (`status ID` and a wide list show them).
+    if room < min(MIN_NAME, widths["NAME"]) and widths["STATUS"] > STATUS_LEN:
+        for r, job in zip(rows, jobs, strict=True):
+            r["STATUS"] = job["status"]
+        before, widths["STATUS"] = widths["STATUS"], max([len("STATUS")] + [len(r["STATUS"]) for r in rows])
+        room += before - widths["STATUS"]
+    widths["NAME"] = min(widths["NAME"], max(MIN_NAME, room))
+    lines = ["  ".join(c.ljust(widths[c]) for c in columns).rstrip()]
+    for r in rows:
+        cells = []
+        for c in columns:
+            text = shorten(r[c], widths[c]) if c in ("NAME", "WAITING") else r[c]
+            cells.append(text.rjust(widths[c]) if c in ("STEP", "ELAPSED", "AGE") else text.ljust(widths[c]))
+        lines.append("  ".join(cells).rstrip())
+    return lines
 
 
 def workers_table(page: dict, now: datetime | None = None) -> Table:
