@@ -9,7 +9,7 @@ from service.packages.models import Package
 from service.scheduling.models import Team, Usage
 from service.sweeps.models import Sweep
 from service.webhooks.models import Delivery, Webhook
-from service.workers.models import Worker
+from service.workers.models import Hold, Worker
 
-__all__ = ["ApiToken", "Attempt", "Base", "Delivery", "Job", "JobCount", "JobCountDelta", "JobEvent", "JobTag",
+__all__ = ["ApiToken", "Attempt", "Base", "Delivery", "Hold", "Job", "JobCount", "JobCountDelta", "JobEvent", "JobTag",
            "LogChunk", "Metric", "MetricBlock", "Package", "Sweep", "Team", "Usage", "User", "Webhook", "Worker"]

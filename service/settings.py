@@ -141,6 +141,8 @@ class Settings(BaseSettings):
     # What this worker offers, where detection is not what you want (`trainjobs worker --slots/--device/--label`).
     worker_slots: int | None = Field(None, ge=1, description="default: GPUs (cuda), else CPU cores")
     worker_device: Literal["cpu", "cuda"] | None = None  # default: cuda when nvidia-smi lists a GPU
+    worker_max_jobs: int = Field(0, ge=0, description="jobs a worker runs at once, each on devices of its own "
+                                 "(GPUs, or CPU slots); 0: one per slot, as many as fit")
     worker_labels: str = ""  # k=v,k2=v2: what a job's resources.selector matches
     worker_address: str | None = None  # how other nodes reach this one; default: the address that reaches Redis
     worker_min_free_bytes: int = Field(2**30, ge=0, description="free space the storage and run dirs keep; below "

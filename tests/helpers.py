@@ -53,8 +53,11 @@ def live_stack(postgres_url: str, data_dir: Path, *, name: str, workers: int = 1
     from tests.conftest import QUEUE_PREFIX, REDIS_URL, _empty_tables
 
     _empty_tables(postgres_url)
+    # NOTE: one job at a time per worker unless a test says otherwise (worker_max_jobs): most tests count workers,
+    # and tests/test_shared_workers.py runs several jobs on one.
     settings = Settings(**{"data_dir": data_dir, "database_url": postgres_url, "redis_url": REDIS_URL,
-                           "queue_prefix": f"{QUEUE_PREFIX}{name}", "cancel_grace_s": 3, "poll_s": 0.2, **overrides})
+                           "queue_prefix": f"{QUEUE_PREFIX}{name}", "cancel_grace_s": 3, "poll_s": 0.2,
+                           "worker_max_jobs": 1, **overrides})
     with Stack(settings, port=free_port(), workers=workers) as stack:
         yield stack
 

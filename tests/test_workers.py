@@ -13,7 +13,7 @@ from tests.helpers import module_stack, wait_for, wait_terminal
 
 LEASE_S = 3.0
 FIELDS = {"id", "host", "address", "device", "slots", "busy_slots", "memory_gb", "labels", "state", "pressure",
-          "current_job", "last_seen"}
+          "current_job", "max_jobs", "jobs", "devices", "last_seen"}
 
 
 stack = module_stack("workers", workers=0, lease_s=LEASE_S, heartbeat_s=0.5, sweep_s=0.5)

@@ -13,11 +13,12 @@ from redis.exceptions import RedisError
 from service.db import UNREACHABLE, is_refusal, make_engine, make_sessionmaker
 from service.jobs import lifecycle, queue
 from service.settings import Settings, get_settings
+from service.workers import holds
 from service.workers import service as workers
 from trainjobs.runenv import SPEC_FILE
 from trainjobs.spec import JobSpec
 from trainjobs.states import AttemptStatus, ErrorType, JobStatus
-from worker import gang
+from worker import devices, gang
 from worker.inventory import Offer, probe
 from worker.launch import Gang
 from worker.root_cause import is_peer_error
@@ -54,6 +55,7 @@ def run_job(job_id: str) -> dict:
             return {"job_id": job_id, "skipped": True}
         claimed = with_retries(lambda: claim(sessions, settings=settings, job_id=job_id), what="claim")
         if claimed is None:
+            with_retries(lambda: free_worker(sessions, job_id=job_id, node_rank=0), what="free the worker")
             return {"job_id": job_id, "skipped": True}
         attempt, spec = claimed
         if spec.resources.nnodes > 1:
@@ -81,6 +83,7 @@ def run_node(job_id: str, attempt: int, node_rank: int) -> dict:
         spec = with_retries(lambda: gang.join(sessions, settings=settings, job_id=job_id, attempt=attempt,
                                               node_rank=node_rank, worker=worker_name()), what="join")
         if spec is None:
+            with_retries(lambda: free_worker(sessions, job_id=job_id, node_rank=node_rank), what="free the worker")
             return {"job_id": job_id, "node_rank": node_rank, "skipped": True}
         return run_attempt(sessions, settings=settings, job_id=job_id, attempt=attempt, spec=spec,
                            node_rank=node_rank)
@@ -103,9 +106,11 @@ def run_attempt(sessions, *, settings: Settings, job_id: str, attempt: int, spec
                 return {**result, "status": why}
             launch_gang = Gang(nnodes=spec.resources.nnodes, node_rank=node_rank, endpoint=endpoint,
                                local_addr=me.address, join_timeout_s=max(30.0, settings.gang_timeout_s))
+        share = with_retries(lambda: bind_share(sessions, me, job_id=job_id, attempt=attempt, node_rank=node_rank),
+                             what="bind the devices")
         run_dir = prepare_run_dir(settings, job_id=job_id, attempt=attempt, spec=spec, node_rank=node_rank)
         supervisor = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=attempt,
-                                spec=spec, run_dir=run_dir, gang=launch_gang)
+                                spec=spec, run_dir=run_dir, gang=launch_gang, share=share)
         _supervisor = supervisor
         supervisor.preempt_requests = _preempt_requests  # any that came while it was being set up
         try:
@@ -121,13 +126,30 @@ def run_attempt(sessions, *, settings: Settings, job_id: str, attempt: int, spec
         return {**result, "status": outcome.status.value}
     finally:
         _supervisor = None
-        with_retries(lambda: free_worker(sessions, job_id=job_id), what="free the worker", tries=None)
+        with_retries(lambda: free_worker(sessions, job_id=job_id, node_rank=node_rank), what="free the worker",
+                     tries=None)
 
 
-def free_worker(sessions, *, job_id: str) -> None:
+def free_worker(sessions, *, job_id: str, node_rank: int | None = None) -> None:
+    """Give back what this node of the job held here (its devices), so the worker takes another job."""
     with sessions() as db:
-        workers.release(db, worker_id=worker_name(), job_id=job_id)
+        workers.release(db, worker_id=worker_name(), job_id=job_id, node_rank=node_rank)
         db.commit()
+
+
+def bind_share(sessions, me: Offer, *, job_id: str, attempt: int, node_rank: int) -> dict | None:
+    """The devices the dispatcher took for this node, tied to its attempt; returns its share (worker/devices.py:
+    devices, GPU UUIDs, cores), also stored with the attempt. None when it holds none (the whole worker)."""
+    with sessions() as db:
+        held = holds.bind(db, worker_id=worker_name(), job_id=job_id, node_rank=node_rank, attempt=attempt)
+        share = devices.share(me.machine, held) if held and me.machine is not None else None
+        if share is not None:
+            share["worker"] = worker_name()
+            share["of"] = len(me.machine.devices)
+            holds.bind(db, worker_id=worker_name(), job_id=job_id, node_rank=node_rank, attempt=attempt,
+                       placement=share)
+        db.commit()
+        return share
 
 
 def claim(sessions, *, settings: Settings, job_id: str) -> tuple[int, JobSpec] | None:

@@ -13,9 +13,11 @@ functions with the arguments the service writes is removed and logged as a secur
 """
 
 import dataclasses
+import fcntl
 import logging
 import time
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 
 from redis import Redis
 from rq import Queue
@@ -25,10 +27,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.db import UNREACHABLE
 from service.jobs import service as jobs
 from service.jobs.queue import GANG, SECURITY, parse_node_task_id, refusal
-from service.scheduling import policy
+from service.scheduling import placement, policy
 from service.scheduling import service as scheduling
 from service.settings import Settings
-from service.workers import fit
+from service.workers import fit, holds
 from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
@@ -46,14 +48,59 @@ class Chooser:
         self.pressure = pressure  # why this worker must take no job now (a full disk), or None
         self.lost_after_s = settings.lease_s
         self.reqs: dict[str, scheduling.Req] = {}  # the same, for the scheduler's snapshot
+        self.node_slots: dict[str, int] = {}  # gang node task -> the slots its node needs (from takes)
+        self.machine = getattr(offer, "machine", None)
+        self.shared = getattr(offer, "max_jobs", 1) > 1
+        # The lanes of one worker take entries one at a time (the holds' key would refuse a second taker anyway).
+        self.lock_path = settings.runs_dir / f".take-{offer.id.replace('/', '_')}.lock" if self.shared else None
+
+    @contextmanager
+    def taking(self):
+        """Held while this lane plans and takes: its sibling lanes then plan on the holds it took."""
+        if self.lock_path is None:
+            yield
+            return
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.lock_path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def hold(self, entry: str) -> bool:
+        """Take this worker's devices for the entry's node (the best linked free set, placement.choose); False
+        when too few are free now (a sibling lane took them): the entry goes back to its queue."""
+        key = parse_node_task_id(entry)
+        job_id, node_rank = (key[0], key[2]) if key else (entry, 0)
+        need = self.node_slots.get(entry) if key else (self.reqs[entry].need.slots if entry in self.reqs else None)
+        if self.machine is None or need is None:
+            return True  # nothing to hold by (a test's bare offer): the job gets the whole worker, as before
+        with self.sessions() as db:
+            free = {d.index for d in self.machine.devices} - set(holds.held(db, worker_id=self.offer.id))
+            chosen = placement.choose(self.machine, free, need)
+            if chosen is None:
+                log.info("job %s: %d of %d devices free on %s now; its entry goes back", job_id, len(free), need,
+                         self.offer.id)
+                return False
+            taken = holds.take(db, worker_id=self.offer.id, job_id=job_id, node_rank=node_rank, devices=list(chosen))
+            if taken:
+                log.info("job %s: node %d takes device(s) %s of %s (free: %s)", job_id, node_rank, list(chosen),
+                         self.offer.id, sorted(free))
+            return taken
 
     def plan(self, db: Session, entries: dict[str, str]) -> policy.Plan:
         """The pool's plan, as this worker sees it: polling for work, it is live and free whatever its row says;
         a queued job without a queue entry (being claimed, or lost with Redis until the sweeper enqueues it
         again) is not planned, so it holds no worker."""
         snap = scheduling.snapshot(db, self.settings, cache=self.reqs)
+        room = None
+        if self.shared:  # a shared worker's room: its free slots, as its holds say now
+            mine = holds.held(db, worker_id=self.offer.id)
+            room = scheduling.room_of(self.offer.slots, self.offer.max_jobs,
+                                      holds.Load(len(mine), len(set(mine.values()))))
         me = policy.Node(id=self.offer.id, device=self.offer.device, slots=self.offer.slots,
-                         memory_bytes=self.offer.memory_bytes, labels=dict(self.offer.labels or {}))
+                         memory_bytes=self.offer.memory_bytes, labels=dict(self.offer.labels or {}), room=room)
         snap = dataclasses.replace(snap, nodes=[*(n for n in snap.nodes if n.id != me.id), me],
                                    waiting=[w for w in snap.waiting if w.id in entries])
         return policy.plan(snap)
@@ -77,7 +124,8 @@ class Chooser:
             row = rows.get(key[0]) if key else None
             if row is None or row.status != JobStatus.STARTING or row.attempt != key[1]:
                 stale.append(entry)
-            elif fit.misfit(fit.need_of(row.spec, row.plan), self.offer) is None:
+            elif fit.misfit(need := fit.need_of(row.spec, row.plan), self.offer) is None:
+                self.node_slots[entry] = need.slots
                 chosen.append(entry)
         return stale, chosen
 
@@ -113,14 +161,15 @@ class FittingQueue(Queue):
         ids = [i.decode() if isinstance(i, bytes) else i for i in connection.lrange(queue.key, 0, SCAN - 1)]
         if not ids:
             return None
-        try:
-            with cls.chooser.sessions() as db:
-                stale, wanted = cls.chooser.takes(db, ids, gang=True)
-        except UNREACHABLE:  # take nothing while the database is out: a claim could not be made anyway
-            log.warning("the database is out of reach; taking no job until it is back")
-            return None
-        cls._remove_stale(stale, {e: queue for e in stale}, connection, job_class, serializer)
-        return cls._take(wanted, {e: queue for e in wanted}, connection, job_class, serializer)
+        with cls.chooser.taking():
+            try:
+                with cls.chooser.sessions() as db:
+                    stale, wanted = cls.chooser.takes(db, ids, gang=True)
+            except UNREACHABLE:  # take nothing while the database is out: a claim could not be made anyway
+                log.warning("the database is out of reach; taking no job until it is back")
+                return None
+            cls._remove_stale(stale, {e: queue for e in stale}, connection, job_class, serializer)
+            return cls._take(wanted, {e: queue for e in wanted}, connection, job_class, serializer)
 
     @classmethod
     def _take_planned(cls, queues: list[Queue], connection: Redis, job_class, serializer):
@@ -130,14 +179,15 @@ class FittingQueue(Queue):
                 entries.setdefault(i.decode() if isinstance(i, bytes) else i, queue)
         if not entries:
             return None  # nothing queued: no database round trip
-        try:
-            with cls.chooser.sessions() as db:
-                stale, wanted = cls.chooser.choose(db, {e: q.name for e, q in entries.items()})
-        except UNREACHABLE:
-            log.warning("the database is out of reach; taking no job until it is back")
-            return None
-        cls._remove_stale(stale, entries, connection, job_class, serializer)
-        return cls._take(wanted, entries, connection, job_class, serializer)
+        with cls.chooser.taking():
+            try:
+                with cls.chooser.sessions() as db:
+                    stale, wanted = cls.chooser.choose(db, {e: q.name for e, q in entries.items()})
+            except UNREACHABLE:
+                log.warning("the database is out of reach; taking no job until it is back")
+                return None
+            cls._remove_stale(stale, entries, connection, job_class, serializer)
+            return cls._take(wanted, entries, connection, job_class, serializer)
 
     @classmethod
     def _remove_stale(cls, stale: list[str], entries: dict[str, Queue], connection: Redis, job_class, serializer):
@@ -171,6 +221,14 @@ class FittingQueue(Queue):
                 continue
             if (why := refusal(job)) is not None:
                 cls._refuse(job, queue, why)
+                continue
+            try:
+                held = cls.chooser.hold(entry)
+            except UNREACHABLE:
+                log.warning("the database is out of reach; job %s goes back to its queue", entry)
+                held = False
+            if not held:
+                connection.lpush(queue.key, entry)  # back at the head, for a worker (or a later pass) with room
                 continue
             return job, queue
         return None

@@ -16,9 +16,11 @@ import psutil
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE
+from service.scheduling.placement import Device, Machine
 from service.settings import Settings
 from service.workers import fit
 from service.workers import service as workers
+from worker import devices
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class Offer:
     memory_bytes: int | None  # per device: the smallest GPU's, or on CPU the host's
     host_memory_bytes: int
     labels: dict[str, str] = field(default_factory=dict)
+    max_jobs: int = 1  # jobs it runs at once, each on devices of its own (its lanes, worker/main.py)
+    machine: Machine | None = field(default=None, repr=False)  # its devices, as placement sees them
 
 
 def gpu_memory() -> tuple[int, int | None]:
@@ -85,11 +89,25 @@ def probe(settings: Settings, *, name: str, labels: dict[str, str] | None = None
     host_bytes = psutil.virtual_memory().total  # /proc/meminfo's MemTotal on Linux
     device = settings.worker_device or ("cuda" if count else "cpu")
     detected_slots = count if device == "cuda" else (os.cpu_count() or 1)
+    slots = settings.worker_slots or max(1, detected_slots)
     address = settings.worker_address or reachable_address(settings.redis_url)
+    machine = inventory(name, device, slots)
     return Offer(id=name, host=socket.gethostname(), address=address,
-                 device=device, slots=settings.worker_slots or max(1, detected_slots),
+                 device=device, slots=slots,
                  memory_bytes=gpu_bytes if device == "cuda" else host_bytes, host_memory_bytes=host_bytes,
-                 labels={**parse_labels(settings.worker_labels), **(labels or {}), **capabilities(settings)})
+                 labels={**parse_labels(settings.worker_labels), **(labels or {}), **capabilities(settings)},
+                 max_jobs=min(slots, settings.worker_max_jobs or slots), machine=machine)
+
+
+def inventory(name: str, device: str, slots: int) -> Machine:
+    """The machine's devices: its GPUs (worker/devices.py), or its cores in `slots` slots. A worker told it has
+    GPUs that nvidia-smi does not list (a test's, a container's without the tool) numbers them 0..slots-1."""
+    if device == "cuda":
+        machine = devices.gpu_machine(name, slots)
+        if machine is not None and len(machine.devices) >= slots:
+            return machine
+        return Machine(name, "cuda", tuple(Device(i, str(i)) for i in range(slots)))
+    return devices.cpu_machine(name, slots)
 
 
 def capabilities(settings: Settings) -> dict[str, str]:
@@ -152,7 +170,8 @@ def register(sessions: sessionmaker[Session], *, offer: Offer) -> None:
     with sessions() as db:
         workers.register(db, worker_id=offer.id, host=offer.host, address=offer.address, device=offer.device,
                          slots=offer.slots, memory_bytes=offer.memory_bytes,
-                         host_memory_bytes=offer.host_memory_bytes, labels=offer.labels)
+                         host_memory_bytes=offer.host_memory_bytes, labels=offer.labels, max_jobs=offer.max_jobs,
+                         devices=devices.as_rows(offer.machine) if offer.machine else None)
         db.commit()
 
 

@@ -24,7 +24,7 @@ from service.redis_auth import warn_if_open
 from service.settings import get_settings
 from service.undumpable import make_undumpable
 from trainjobs.runenv import PREEMPT_SIGNAL
-from worker import sandbox
+from worker import processes, sandbox
 from worker.agent import request_preemption
 from worker.dispatch import Chooser, FittingQueue
 from worker.inventory import DiskWatch, probe, start_heartbeat
@@ -47,8 +47,12 @@ class PreemptingWorker(Worker):
     _hard_stop_asked = False
     draining = False  # shutting down: the workers table says so
 
+    in_lane = False  # one lane of a shared worker (Lanes): its work-horses die with it
+
     def setup_work_horse_signals(self) -> None:
         super().setup_work_horse_signals()
+        if self.in_lane:  # the worker killed: its lanes die, their horses (and through them the ranks) too
+            processes.die_with_parent(signal.SIGKILL)
         # NOTE: in the horse right after fork, before the job function runs: no request is lost or fatal.
         signal.signal(PREEMPT_SIGNAL, request_preemption)
 
@@ -146,18 +150,96 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
               for n in queue_names(settings.queue_prefix)]
     current: list[PreemptingWorker] = []
 
-    def make_worker() -> PreemptingWorker:
-        current[:] = [PreemptingWorker(queues, connection=redis, serializer=JSONSerializer, name=name,
+    def make_worker(rq_name: str = name) -> PreemptingWorker:
+        current[:] = [PreemptingWorker(queues, connection=redis, serializer=JSONSerializer, name=rq_name,
                                        queue_class=FittingQueue, job_class=GuardedJob)]
         return current[0]
 
-    stop_heartbeat = start_heartbeat(sessions, offer=offer, every_s=settings.heartbeat_s,
-                                     draining=lambda: bool(current) and current[0].draining, pressure=disk.pressure)
+    lanes = None
+    if offer.max_jobs > 1:  # forked before the heartbeat's thread starts: a fork copies no lock a thread holds
+        log.info("worker %s runs up to %d jobs at once, each on devices of its own", name, offer.max_jobs)
+        lanes = Lanes(offer.max_jobs, lambda i: serve(lambda: make_worker(f"{name}.{i}"), burst=burst), burst=burst)
+
+    def draining() -> bool:
+        return lanes.draining if lanes else bool(current) and current[0].draining
+
+    stop_heartbeat = start_heartbeat(sessions, offer=offer, every_s=settings.heartbeat_s, draining=draining,
+                                     pressure=disk.pressure)
     try:
-        serve(make_worker, burst=burst)
+        if lanes is None:
+            serve(make_worker, burst=burst)
+        else:
+            lanes.wait()
     finally:
         stop_heartbeat()
         engine.dispose()
+
+
+class Lanes:
+    """A shared worker's lanes (issue 30): one forked process per job it may run at once, each an RQ worker loop
+    with its own work-horse. They plan and take one at a time (worker/dispatch.py `Chooser.taking`), each job on
+    devices the database says are free (service/workers/holds.py); this process keeps the worker's heartbeat.
+
+    A shutdown signal goes to every lane: each hands its job back (RQ's warm shutdown, PreemptingWorker), a second
+    stops them now. A lane dies with this process (PDEATHSIG): kill -9 the worker and its lanes go too, their
+    jobs' leases run out and the sweeper gives the jobs to other workers. A lane that ends on its own (a crash) is
+    started again, unless the worker is shutting down.
+    """
+
+    RESTART_S = 1.0
+
+    def __init__(self, count: int, serve_lane: Callable[[int], None], *, burst: bool):
+        self.serve_lane, self.burst = serve_lane, burst
+        self.pids: dict[int, int] = {}  # pid -> lane
+        self.draining = False
+        signal.signal(signal.SIGTERM, self._forward)
+        signal.signal(signal.SIGINT, self._forward)
+        for i in range(count):
+            self._start(i)
+
+    def wait(self) -> None:
+        """Until every lane ended (a shutdown, or with burst empty queues)."""
+        while self.pids:
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                return
+            except InterruptedError:
+                continue
+            lane = self.pids.pop(pid, None)
+            if lane is None:
+                continue
+            if not (self.draining or self.burst or status == 0):
+                log.warning("lane %d (pid %d) ended (status %d); starting it again", lane, pid, status)
+                time.sleep(self.RESTART_S)
+                self._start(lane)
+
+    def _start(self, lane: int) -> None:
+        pid = os.fork()
+        if pid:
+            self.pids[pid] = lane
+            return
+        code = 0
+        try:
+            processes.die_with_parent(signal.SIGKILL)
+            PreemptingWorker.in_lane = True
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            self.serve_lane(lane)
+        except BaseException:  # noqa: BLE001 - a lane's crash: logged, and the worker starts it again
+            log.exception("lane %d failed", lane)
+            code = 1
+        finally:
+            logging.shutdown()
+            os._exit(code)
+
+    def _forward(self, signum, frame) -> None:
+        self.draining = True
+        for pid in list(self.pids):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
 
 def serve(make_worker: Callable[[], PreemptingWorker], *, burst: bool) -> None:

@@ -19,11 +19,12 @@ from service.db import UNREACHABLE, is_refusal
 from service.jobs import lifecycle, records
 from service.metrics import service as metrics_service
 from service.packages.service import package_file
+from service.scheduling import placement
 from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType, JobStatus
-from worker import environments, launch, packages, processes, sandbox
+from worker import devices, environments, launch, packages, processes, sandbox
 from worker.inventory import free_bytes
 from worker.lease import Lease
 from worker.root_cause import disk_full, root_cause
@@ -77,8 +78,9 @@ class Supervisor:
     """One attempt of one job on this node (of its gang), from launch to the last process gone."""
 
     def __init__(self, *, sessions: sessionmaker[Session], settings: Settings, job_id: str, attempt: int,
-                 spec: JobSpec, run_dir: Path, gang: launch.Gang | None = None):
+                 spec: JobSpec, run_dir: Path, gang: launch.Gang | None = None, share: dict | None = None):
         self.sessions, self.settings, self.spec = sessions, settings, spec
+        self.share = share  # its devices on a shared worker (worker/devices.py share), or None: the whole worker
         self.job_id, self.attempt, self.run_dir, self.gang = job_id, attempt, run_dir, gang
         self.node_rank = gang.node_rank if gang else 0
         self.tag = launch.run_tag(job_id, attempt, self.node_rank)
@@ -161,7 +163,7 @@ class Supervisor:
             self.spec, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir, python=python,
             data_dir=self.settings.data_dir, job_dir=job_dir,
             shutdown_grace_s=self.settings.cancel_grace_s,
-            base_env=sandbox.job_env(self.settings), cpu_count=os.cpu_count() or 1,
+            base_env=self._base_env(), cpu_count=len(self._cores()) or os.cpu_count() or 1,
             scripts_dir=scripts_dir, entry_script=entry_script, gang=self.gang, init_from=init_from,
         )
         for folder in (paths.CHECKPOINTS, paths.ARTIFACTS):  # a user's script may write straight into them
@@ -173,15 +175,18 @@ class Supervisor:
             job_id=self.job_id, run_dir=self.run_dir, job_dir=job_dir, python=python, data_dir=self.settings.data_dir,
             scripts_dir=scripts_dir, cwd=code_dir or self.run_dir, init_from=init_from, gang=self.gang is not None,
             node_rank=self.node_rank,
-            devices=sandbox.gpu_nodes() if self.spec.resources.device != "cpu" else ()),
-            memory_bytes=sandbox.default_memory_bytes())
+            devices=self._device_nodes()), memory_bytes=self._memory_bytes())
         argv, env = box.wrap(plan.argv, plan.env)
+        cores = self._cores()
+        self.logs.stage(self._placed(box, cores).encode())
         processes.become_subreaper()
         procs = processes.AttemptProcesses(self.tag)  # before torchrun: what exists now is not the attempt's
 
         def preexec() -> None:
             processes.prepare_torchrun()
             box.preexec()
+            if cores:  # every process of the attempt inherits it
+                os.sched_setaffinity(0, cores)
 
         # A session of its own, so a signal to the worker's terminal never reaches the ranks directly.
         try:
@@ -268,6 +273,49 @@ class Supervisor:
             self.watch.close()
             shutil.rmtree(self.run_dir / "tmp", ignore_errors=True)
         return self._outcome(exit_code, stop_reason, killed)
+
+    def _base_env(self) -> dict[str, str]:
+        env = sandbox.job_env(self.settings)
+        if self.share is not None and self.share.get("kind") == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = self.share["visible"]  # by UUID: its cuda:0 is its first own GPU
+        return env
+
+    def _cores(self) -> list[int]:
+        """The cores its ranks are pinned to: its share's (a CPU job's slots, a GPU job's NUMA nodes), or none."""
+        return list(self.share.get("cores") or []) if self.share is not None else []
+
+    def _device_nodes(self) -> tuple[str, ...]:
+        """The GPU device nodes its sandbox binds: its own GPUs' where they can be told apart, else every one."""
+        if self.spec.resources.device == "cpu":
+            return ()
+        if self.share is not None and self.share.get("uuids"):
+            own = devices.gpu_device_nodes(self.share["uuids"])
+            if own is not None:
+                return (*own, *(n for n in sandbox.gpu_nodes() if not n.removeprefix("/dev/nvidia").isdigit()))
+        return sandbox.gpu_nodes()
+
+    def _memory_bytes(self) -> int:
+        """Its host-memory bound: on a shared worker, its devices' share of what the worker gives jobs."""
+        total = sandbox.default_memory_bytes()
+        if self.share is None or not self.share.get("of"):
+            return total
+        return max(2**28, total * len(self.share["devices"]) // self.share["of"])
+
+    def _placed(self, box: sandbox.Box, cores: list[int]) -> str:
+        """The log's first line: where the attempt runs and what bounds it (or that nothing does)."""
+        where = f"[trainjobs] attempt {self.attempt} on {self.share['worker'] if self.share else 'its worker'}"
+        if self.share is not None:
+            noun = "GPU" if self.share.get("kind") == "cuda" else "slot"
+            where += f": {noun}(s) {','.join(map(str, self.share['devices']))}"
+            if self.share.get("uuids"):
+                where += f" ({','.join(self.share['uuids'])})"
+        if cores:
+            where += f", cores {placement.cpulist(cores)}"
+        if box.cgroup is not None:
+            where += f", memory bound {box.memory_bytes / 2**30:.1f} GiB ({box.cgroup.version} cgroup)"
+        else:
+            where += ", no memory bound (this worker cannot make cgroups)"
+        return where + "\n"
 
     def _init_from(self) -> Path | None:
         """spec.init_from's weights as they are now (the latest checkpoint at this launch); None without one."""

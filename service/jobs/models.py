@@ -66,6 +66,9 @@ class Job(Base):
     sweep_trial: Mapped[int | None] = mapped_column(Integer)
     sweep_params: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     reason: Mapped[str | None] = mapped_column(String(32))
+    # Where its current attempt runs, a list of its nodes' shares: [{node_rank, worker, devices, uuids, cores, ...}]
+    # (service/workers/holds.py bind; each attempt's own is in attempts.placement).
+    placement: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
     # Bumped by the database on every UPDATE of the row (a trigger, migrations/versions/0011): a read's ETag.
     version: Mapped[int] = mapped_column(Integer, server_default="1")
 
@@ -106,6 +109,8 @@ class Attempt(Base):
     endpoint: Mapped[str | None] = mapped_column(String(300))  # node 0 of a gang: its rendezvous host:port
     # The ranks' stacks, the latest dump (worker/stacks.py): {"reason", "taken_at", "ranks": [...]}
     stacks: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    # Where it runs on its worker: {"devices": [indices], "uuids": [...], "cores": [...]} (service/workers/holds.py)
+    placement: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     # Its device-seconds are in its owner's usage (service/scheduling/service.py folds closed attempts in).
     charged: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
 

@@ -51,6 +51,8 @@ class JobPublic(BaseModel):
     sweep_id: str | None = None  # a sweep's trial: its sweep (POST /v1/sweeps), its number there, its parameters
     sweep_trial: int | None = None
     sweep_params: dict[str, Any] | None = None
+    # Where its current attempt runs, per node: worker, devices (GPU or CPU slot indices), GPU UUIDs, cores.
+    placement: list[dict[str, Any]] = []
 
     @classmethod
     def of(cls, job: Job) -> "JobPublic":
@@ -69,6 +71,7 @@ class JobPublic(BaseModel):
             warnings=job.warnings or [], cloned_from=job.cloned_from,
             reason=job.reason if job.status == "cancelled" else None,
             sweep_id=job.sweep_id, sweep_trial=job.sweep_trial, sweep_params=job.sweep_params,
+            placement=[p for p in job.placement or [] if p.get("attempt") == job.attempt],
         )
 
 

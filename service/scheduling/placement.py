@@ -149,6 +149,17 @@ def machine_from_topo(machine_id: str, text: str, devices: Sequence[Device]) -> 
     return Machine(machine_id, "cuda", devices, parse_topo(text), numa_cores)
 
 
+def cpulist(cores: Sequence[int]) -> str:
+    """Linux's cpulist format of a set of cores (parse_cpulist's inverse): [0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for c in sorted(set(cores)):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
 def cpu_slots(cores: Sequence[int], numa: Mapping[int, Sequence[int]] | None = None,
               slots: int | None = None) -> tuple[tuple[int, ...], ...]:
     """A CPU machine's cores as slots (groups of cores), ordered by NUMA node then core.

@@ -173,7 +173,7 @@ def plan(snap: Snapshot) -> Plan:
     free_by_eta: dict[str, float] = {}
     for n in snap.nodes:
         job = running.get(n.running) if n.running else None
-        if n.running is None:
+        if n.running is None or n.free_slots == n.slots:
             free_by_timeout[n.id] = free_by_eta[n.id] = now
         elif job is None:  # busy with something the snapshot does not show (a job just claimed)
             free_by_timeout[n.id] = free_by_eta[n.id] = now + CHARGE_CAP_S
@@ -181,7 +181,10 @@ def plan(snap: Snapshot) -> Plan:
             bound = max(now, job.started + job.timeout_s)
             free_by_timeout[n.id] = bound
             free_by_eta[n.id] = min(bound, now + job.eta_s) if job.eta_s is not None else bound
-    free = {n.id for n in snap.nodes if n.running is None}
+    # Free: a worker with room for another job; `room` its free slots (a shared worker's, issue 30), which each
+    # job placed on it takes from.
+    room = {n.id: n.free_slots for n in snap.nodes}
+    free = {n.id for n in snap.nodes if room[n.id] > 0}
 
     # Slots held now, per user and per team, for quotas.
     held_user: dict[str, int] = defaultdict(int)
@@ -195,7 +198,7 @@ def plan(snap: Snapshot) -> Plan:
     for r in snap.running:
         if r.forming and r.need is not None:
             want = r.nodes - len(r.workers)
-            for w in sorted((n for n in fitting(r.need) if n.id in free),
+            for w in sorted((n for n in fitting(r.need) if n.id in free and room[n.id] >= r.need.slots),
                             key=lambda n: (n.slots, n.id))[:want]:
                 free.discard(w.id)
                 blocked[w.id] = f"joining the forming gang of job {r.id}"
@@ -248,19 +251,23 @@ def plan(snap: Snapshot) -> Plan:
         else:
             # A free worker, or an idle reserved one the reservation lets this job take (backfill, or a job of
             # higher priority that ends before the gang's deadline).
-            usable = [w for w in fits if w.id in free or (
-                w.id in reserved and w.id in blocked and job.id not in mine and reserved[w.id].lets(job, now))]
-            usable.sort(key=lambda n: (n.slots, n.id))
+            usable = [w for w in fits if room[w.id] >= job.need.slots and (w.id in free or (
+                w.id in reserved and w.id in blocked and job.id not in mine and reserved[w.id].lets(job, now)))]
+            # Best fit: the worker left with the fewest free slots (whole machines stay free for big jobs).
+            usable.sort(key=lambda n: (room[n.id] - job.need.slots, n.slots, n.id))
             if len(usable) >= job.need.nodes:
                 chosen = usable[:job.need.nodes]
                 for w in chosen:
-                    free.discard(w.id)
+                    # A worker of one job at a time has no room left once it has one.
+                    room[w.id] = room[w.id] - job.need.slots if w.room is not None else 0
+                    if room[w.id] <= 0 or w.id in blocked:
+                        free.discard(w.id)
                     blocked.pop(w.id, None)
                 place.workers = [w.id for w in chosen]
                 place.estimated_start = now
                 _hold(job, snap, held_user, held_team)
             else:  # it waits for workers that fit: jobs behind it that need them wait behind it
-                place.reason = _wait_reason(job, fits, free, blocked, mine.get(job.id), ahead, cfg.policy)
+                place.reason = _wait_reason(job, fits, free, blocked, mine.get(job.id), ahead, cfg.policy, room)
                 waiting_by_fit[fit_ids]["at", job.priority] += 1
                 waiting_by_fit[fit_ids]["own", job.owner, job.priority] += 1
     for i, job in enumerate(ordered):
@@ -296,10 +303,18 @@ def _quota_block(job: Waiting, snap: Snapshot, held_user: dict, held_team: dict)
 
 
 def _wait_reason(job: Waiting, fits: list[Node], free: set[str], blocked: dict[str, str],
-                 reservation: Reservation | None, ahead: tuple[int, int, int], policy: str) -> str:
+                 reservation: Reservation | None, ahead: tuple[int, int, int], policy: str,
+                 room: dict[str, int]) -> str:
     higher, share, own = ahead
+    partial = [w for w in fits if w.id in free and 0 < room[w.id] < job.need.slots]
     if reservation is not None:
         why = f"needs {job.need.nodes} nodes: reserved, {reservation.held} of {len(reservation.workers)} held"
+    elif partial and job.need.nodes == 1:
+        # A shared worker has room, but not enough on one node: say so in device terms.
+        largest = max(partial, key=lambda w: (room[w.id], w.id))
+        noun = "GPUs" if job.need.device == "cuda" or largest.device == "cuda" else "CPU slots"
+        why = (f"needs {job.need.slots} {noun} on one node; the largest free set is {room[largest.id]}, on "
+               f"{largest.id}")
     else:
         busy = sum(1 for w in fits if w.id not in free and w.id not in blocked)
         held = [blocked[w.id] for w in fits if w.id in blocked]
@@ -386,10 +401,13 @@ def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, n
                 if n.id not in reserved or reserved[n.id].job_id == job.id or reserved[n.id].lets(job, now)}
         if len(fits) < job.need.nodes:
             continue
-        # Workers that are (or are about to be) free for it: idle fitting ones, and those of victims in flight.
-        coming = {w for w in fits if nodes[w].running is None}
-        coming |= {w for v in taken for w in running[v].workers if w in fits}
-        coming -= promised
+        # Workers that are (or are about to be) free for it: fitting ones with room, and those of victims in flight
+        # (a victim gives back its slots; a worker of one job at a time, all of them).
+        avail = {w: nodes[w].free_slots for w in fits}
+
+        for v in taken:
+            _frees(running[v], fits, avail, nodes)
+        coming = {w for w in fits if avail[w] >= job.need.slots} - promised
         if len(coming) >= job.need.nodes:
             promised |= set(sorted(coming)[:job.need.nodes])
             continue  # it waits for those; no new victim
@@ -408,7 +426,8 @@ def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, n
             if len(coming) >= job.need.nodes:
                 break
             chosen.append(r)
-            coming |= {w for w in r.workers if w in fits}
+            _frees(r, fits, avail, nodes)
+            coming = {w for w in fits if avail[w] >= job.need.slots} - promised
         if len(coming) < job.need.nodes:
             continue  # preempting every candidate would still not free a fit: preempt nobody
         promised |= coming
@@ -417,3 +436,10 @@ def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, n
             out.append(Preemption(r.id, job.id, f"preempted by job {job.id} (priority {job.spec_priority}, "
                                                 f"owner {job.owner}), which waited {now - job.queued:.0f}s"))
     return out
+
+
+def _frees(victim: Running, fits: set[str], avail: dict[str, int], nodes: dict[str, Node]) -> None:
+    """A preempted job gives back its slots on each worker it holds (a worker of one job at a time, all of them)."""
+    for w in victim.workers:
+        if w in fits:
+            avail[w] = avail[w] + victim.slots if nodes[w].room is not None else nodes[w].slots

@@ -51,7 +51,7 @@ class Running:
 
 @dataclass(frozen=True)
 class Node:
-    """A live worker (fit.Offer's fields) and the job it runs, if any."""
+    """A live worker (fit.Offer's fields), a job it runs (if any) and its room for more."""
 
     id: str
     device: str
@@ -59,6 +59,15 @@ class Node:
     memory_bytes: int | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     running: str | None = None
+    # Slots free for another job: a shared worker (issue 30) takes jobs while it has room. None: a worker of one
+    # job at a time, all its slots free while it runs nothing, none while it runs something.
+    room: int | None = None
+
+    @property
+    def free_slots(self) -> int:
+        if self.room is not None:
+            return self.room
+        return self.slots if self.running is None else 0
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from service.jobs.service import record_event
 from service.scheduling import policy
 from service.scheduling.models import Team, Usage
 from service.settings import Settings
-from service.workers import fit
+from service.workers import fit, holds
 from service.workers import service as workers
 from trainjobs.spec import JobSpec
 from trainjobs.states import AttemptStatus, JobStatus
@@ -107,8 +107,15 @@ def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req]
                               queued=(_seconds(r.queued_at) or r.created_at.timestamp()), need=cache[r.id].need,
                               timeout_s=cache[r.id].timeout_s, not_before=_seconds(r.not_before))
                for r in queued]
+    held = holds.loads(db) if any(w.max_jobs > 1 for w in live) else {}
+    # A queued job that holds devices is being claimed: its worker counts it, so the plan must not place it again
+    # (a queue read just before its entry was taken still lists it).
+    claiming = {j for load in held.values() for j in load.job_ids}
+    if claiming:
+        waiting = [w for w in waiting if w.id not in claiming]
     nodes = [policy.Node(id=w.id, device=w.device, slots=w.slots, memory_bytes=w.memory_bytes,
-                         labels=dict(w.labels or {}), running=w.current_job) for w in live]
+                         labels=dict(w.labels or {}), running=w.current_job,
+                         room=room_of(w.slots, w.max_jobs, held.get(w.id))) for w in live]
     owners = {j.owner for j in waiting} | {r.owner for r in running}
     usage = usage_now(db, now=now, half_life_s=settings.fair_share_half_life_s)
     for owner, extra in in_flight.items():
@@ -116,6 +123,14 @@ def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req]
     accounts, teams = accounts_of(db, owners | set(usage))
     return policy.Snapshot(now=now.timestamp(), waiting=waiting, running=running, nodes=nodes, usage=usage,
                            accounts=accounts, teams=teams, settings=policy_settings(settings))
+
+
+def room_of(slots: int, max_jobs: int, load: holds.Load | None) -> int | None:
+    """A shared worker's free slots (none once it runs max_jobs jobs); None for a worker of one job at a time."""
+    if max_jobs <= 1:
+        return None
+    load = load or holds.Load()
+    return 0 if load.jobs >= max_jobs else max(0, slots - load.slots)
 
 
 def queued_among(db: Session, job_ids: list[str]) -> set[str]:

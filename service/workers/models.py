@@ -3,7 +3,7 @@
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Index, Integer, String
+from sqlalchemy import JSON, BigInteger, Index, Integer, PrimaryKeyConstraint, String, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.db import Base, UTCDateTime, utcnow
@@ -22,6 +22,10 @@ class Worker(Base):
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     host_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # How many jobs it runs at once (lanes, worker/main.py): each on its own devices (holds).
+    max_jobs: Mapped[int] = mapped_column(Integer, default=1, server_default=text("1"))
+    # Its devices as placement sees them: [{index, uuid, memory_bytes, healthy, numa_node, cores, reason}].
+    devices: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
     # idle | busy | draining; "lost" is never stored: it is a last_seen older than the lease.
     state: Mapped[str] = mapped_column(String(16), default="idle")
     current_job: Mapped[str | None] = mapped_column(String(32))
@@ -31,3 +35,25 @@ class Worker(Base):
     last_seen: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     __table_args__ = (Index("ix_workers_last_seen", "last_seen"),)
+
+
+class Hold(Base):
+    """A device of a worker held by one node of a job: the primary key is what keeps two jobs off one device.
+
+    The worker's dispatcher inserts a job's holds when it takes the queue entry (attempt unset: pending), the
+    claim binds them to the attempt, and the end of the attempt deletes them. A hold whose attempt is no longer
+    active, or a pending one older than a claim takes, is stale: the worker's next take sweeps it
+    (service/workers/holds.py).
+    """
+
+    __tablename__ = "holds"
+
+    worker_id: Mapped[str] = mapped_column(String(256))
+    device: Mapped[int] = mapped_column(Integer)  # the device's index on that worker (a GPU, or a CPU slot)
+    job_id: Mapped[str] = mapped_column(String(32))
+    node_rank: Mapped[int] = mapped_column(Integer, default=0)
+    attempt: Mapped[int | None] = mapped_column(Integer)  # None: taken, not yet claimed
+    since: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    __table_args__ = (PrimaryKeyConstraint("worker_id", "device", name="pk_holds"),
+                      Index("ix_holds_job", "job_id"))

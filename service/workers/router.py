@@ -6,7 +6,7 @@ from service.api.deps import SessionDep, SettingsDep
 from service.auth.deps import PrincipalDep
 from service.db import utcnow
 from service.jobs import service as jobs
-from service.workers import service
+from service.workers import holds, service
 from service.workers.schemas import WorkerPublic, WorkersPublic
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
@@ -18,7 +18,9 @@ def list_workers(db: SessionDep, settings: SettingsDep, principal: PrincipalDep)
     only when it is theirs (another owner's job id is a 404 everywhere else: no existence leak); an admin, all."""
     now = utcnow()
     workers = service.list_workers(db)
-    running = {w.current_job for w in workers if w.current_job}
+    held = holds.all_held(db)  # worker -> device -> (job, node)
+    running = {w.current_job for w in workers if w.current_job} | {j for h in held.values() for j, _ in h.values()}
     shown = running if principal.is_admin else jobs.owned_by(db, job_ids=running, owner=principal.user)
     return WorkersPublic(items=[WorkerPublic.of(w, now=now, lost_after_s=settings.lease_s,
-                                                show_job=w.current_job in shown) for w in workers])
+                                                show_job=w.current_job in shown, held=held.get(w.id),
+                                                shown=set(shown)) for w in workers])

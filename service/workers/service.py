@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 
 from service.db import utcnow
 from service.errors import Forbidden
-from service.workers import fit
+from service.workers import fit, holds
 from service.workers.models import Worker
 from trainjobs.errors import InvalidRequest
 from trainjobs.plan import WorkerMemory
@@ -18,12 +18,18 @@ PRUNE_AFTER_S = 3600.0  # a lost worker stays listed (as lost) this long, then i
 
 
 def register(db: Session, *, worker_id: str, host: str, address: str, device: str, slots: int,
-             memory_bytes: int | None, host_memory_bytes: int | None, labels: dict[str, str]) -> None:
-    """Insert or refresh this worker's row (a restart under the same name starts idle). The caller commits."""
+             memory_bytes: int | None, host_memory_bytes: int | None, labels: dict[str, str], max_jobs: int = 1,
+             devices: list[dict] | None = None) -> None:
+    """Insert or refresh this worker's row. A restart under the same name keeps the holds of attempts still
+    active (a worker back after an outage runs them yet) and drops the rest. The caller commits."""
     now = utcnow()
     db.merge(Worker(id=worker_id, host=host, address=address, device=device, slots=slots, busy_slots=0,
                     memory_bytes=memory_bytes, host_memory_bytes=host_memory_bytes, labels=labels,
-                    state="idle", current_job=None, started_at=now, last_seen=now))
+                    state="idle", current_job=None, started_at=now, last_seen=now, max_jobs=max_jobs,
+                    devices=devices))
+    db.flush()
+    holds.sweep(db, worker_id=worker_id)
+    holds.sync_worker(db, worker_id=worker_id)
 
 
 def beat(db: Session, *, worker_id: str, draining: bool = False, pressure: str | None = None) -> bool:
@@ -32,20 +38,22 @@ def beat(db: Session, *, worker_id: str, draining: bool = False, pressure: str |
     values: dict = {"last_seen": utcnow(), "pressure": pressure[:512] if pressure else None}
     if draining:
         values["state"] = "draining"
-    return db.execute(update(Worker).where(Worker.id == worker_id).values(**values)).rowcount == 1
+    if db.execute(update(Worker).where(Worker.id == worker_id).values(**values)).rowcount != 1:
+        return False
+    holds.sweep(db, worker_id=worker_id)  # what a lost attempt of it left
+    return True
 
 
 def occupy(db: Session, *, worker_id: str, job_id: str, slots: int) -> None:
-    """The worker took a job (in the claim's transaction)."""
+    """The worker took a job (in the claim's transaction); its devices' holds then say how many slots it holds."""
     db.execute(update(Worker).where(Worker.id == worker_id).values(
-        current_job=job_id, busy_slots=slots, last_seen=utcnow(),
+        current_job=job_id, busy_slots=Worker.busy_slots + slots, last_seen=utcnow(),
         state=case((Worker.state == "draining", "draining"), else_="busy")))
 
 
-def release(db: Session, *, worker_id: str, job_id: str) -> None:
-    """The worker is done with job_id (if it still holds that one)."""
-    db.execute(update(Worker).where(Worker.id == worker_id, Worker.current_job == job_id).values(
-        current_job=None, busy_slots=0, state=case((Worker.state == "draining", "draining"), else_="idle")))
+def release(db: Session, *, worker_id: str, job_id: str, node_rank: int | None = None) -> None:
+    """The worker is done with job_id (one node of it): its devices go back, and its row says what it still holds."""
+    holds.release(db, worker_id=worker_id, job_id=job_id, node_rank=node_rank)
 
 
 def remove(db: Session, *, worker_id: str) -> None:

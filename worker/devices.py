@@ -1,0 +1,117 @@
+"""This machine's devices as placement sees them (service/scheduling/placement.py): GPUs with their UUIDs and
+links, or on a CPU machine its cores in slots; and what one job's share of them means for its processes.
+
+A CUDA worker asks nvidia-smi for each GPU's index, UUID and memory, and `nvidia-smi topo -m` for the links and
+each GPU's NUMA node; a GPU whose query answers an error is unhealthy (placement leaves it out and names it).
+A CPU worker splits the cores it may use (its affinity) into its slots, never across a NUMA node.
+"""
+
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from service.scheduling import placement
+from service.scheduling.placement import Device, Machine
+
+log = logging.getLogger(__name__)
+NODES = Path("/sys/devices/system/node")
+NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
+
+
+def numa_nodes() -> dict[int, tuple[int, ...]]:
+    """NUMA node -> its cores, from sysfs ({} where it says nothing)."""
+    out = {}
+    for node in sorted(NODES.glob("node[0-9]*")):
+        try:
+            cores = placement.parse_cpulist((node / "cpulist").read_text())
+        except (OSError, ValueError):
+            continue
+        if cores:
+            out[int(node.name[4:])] = cores
+    return out
+
+
+def cpu_machine(name: str, slots: int) -> Machine:
+    """The cores this worker may use in `slots` slots. More slots than cores (a worker told to offer them) share
+    cores round robin: then slots are a count of processes, not a bound on cores, as before sharing."""
+    cores = sorted(os.sched_getaffinity(0))
+    if slots <= len(cores):
+        numa = {n: tuple(c for c in cs if c in cores) for n, cs in numa_nodes().items()}
+        return placement.cpu_machine(name, cores, {n: cs for n, cs in numa.items() if cs}, slots)
+    devices = tuple(Device(i, f"cpu-slot-{i}", cores=(cores[i % len(cores)],)) for i in range(slots))
+    return Machine(name, "cpu", devices, {}, {})
+
+
+def gpu_machine(name: str, slots: int | None = None) -> Machine | None:
+    """The GPUs nvidia-smi lists (the first `slots` of them when fewer are offered), or None without any."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=index,uuid,memory.total,pci.bus_id", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        log.warning("nvidia-smi failed: no GPU inventory", exc_info=True)
+        return None
+    devices = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 4 or not parts[0].isdigit():
+            continue
+        index, uuid, memory = int(parts[0]), parts[1], parts[2]
+        healthy = memory.replace(".", "", 1).isdigit() and uuid.startswith("GPU-")
+        devices.append(Device(index, uuid, int(float(memory)) * 2**20 if healthy else None, healthy=healthy,
+                              reason=None if healthy else f"nvidia-smi reports {memory!r}"))
+    devices = devices[:slots] if slots else devices
+    if not devices:
+        return None
+    try:
+        topo = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=10, check=True).stdout
+        return placement.machine_from_topo(name, topo, devices)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        log.warning("nvidia-smi topo -m failed: placing GPUs without their links", exc_info=True)
+        return Machine(name, "cuda", tuple(devices))
+
+
+def as_rows(machine: Machine) -> list[dict]:
+    """The inventory as the workers table keeps it (and /v1/workers shows it)."""
+    return [{"index": d.index, "uuid": d.uuid, "memory_bytes": d.memory_bytes, "healthy": d.healthy,
+             "numa_node": d.numa_node, "cores": list(d.cores), "reason": d.reason} for d in machine.devices]
+
+
+def share(machine: Machine, devices: list[int]) -> dict:
+    """One node's share, as stored with its attempt and handed to its launch: the devices, the GPUs' UUIDs and
+    CUDA_VISIBLE_DEVICES, the cores its ranks are pinned to."""
+    return {"devices": list(devices), "kind": machine.kind,
+            "uuids": [machine.device(i).uuid for i in devices] if machine.kind == "cuda" else [],
+            "visible": placement.visible_devices(machine, devices),
+            "cores": placement.cpu_affinity(machine, devices)}
+
+
+def gpu_device_nodes(uuids: list[str]) -> list[str] | None:
+    """/dev/nvidiaN of these GPUs (the driver's minor numbers, by PCI bus id), or None when they cannot be told
+    apart (the job then gets every GPU node, and CUDA_VISIBLE_DEVICES alone narrows what CUDA shows it)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None or not NVIDIA_PROC.is_dir():
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+        bus_of = {u.strip(): b.strip().lower() for u, _, b in (line.partition(",") for line in out.splitlines())}
+        minors = {}
+        for folder in NVIDIA_PROC.iterdir():
+            for line in (folder / "information").read_text().splitlines():
+                if line.startswith("Device Minor:"):
+                    minors[folder.name.lower()] = int(line.split(":")[1])
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    nodes = []
+    for uuid in uuids:
+        bus = bus_of.get(uuid, "")
+        minor = next((m for b, m in minors.items() if b.endswith(bus[-12:]) or bus.endswith(b[-12:])), None)
+        if minor is None:
+            return None
+        nodes.append(f"/dev/nvidia{minor}")
+    return nodes
