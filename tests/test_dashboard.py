@@ -138,8 +138,11 @@ def test_job_page_follows_a_running_job_live_and_cancels_it(page, api, jobs):
     expect(worker.nth(1)).to_have_text(shown["id"])
     expect(worker.nth(3)).to_have_text("cpu")
     expect(worker.nth(6)).to_have_text(f"{shown['busy_slots']}/{shown['slots']}")
-    expect(worker.nth(7)).to_have_text(shown["current_job"] or "idle")
-    expect(worker.nth(8)).to_contain_text("ago")
+    # One square a device, held by the running job or free (a shared worker's occupancy at a glance).
+    expect(worker.nth(7).locator("span.dev")).to_have_count(len(shown["devices"]))
+    expect(worker.nth(7).locator("span.dev.held")).to_have_count(sum(d["state"] == "held" for d in shown["devices"]))
+    expect(worker.nth(8)).to_have_text(" ".join(shown["jobs"]) or shown["current_job"] or "idle")
+    expect(worker.nth(9)).to_contain_text("ago")
     page.screenshot(path=ARTIFACTS / "dashboard-workers.png")
 
     page.click("header nav a[data-nav=jobs]")

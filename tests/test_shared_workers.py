@@ -10,6 +10,7 @@ import time
 from datetime import timedelta
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, select
 
 from service.db import utcnow
@@ -68,6 +69,11 @@ def test_two_one_slot_jobs_run_at_once_on_one_worker_on_disjoint_cores_and_the_j
     assert len(cores_a) == len(cores_b) == 1 and cores_a != cores_b, (cores_a, cores_b)  # one core each, not shared
 
     workers = {w["id"]: w for w in api.get("/v1/workers").json()["items"]}
+    scraped = {(m.name, tuple(sorted(m.labels.items()))): m.value
+               for f in text_string_to_metric_families(api.get("/metrics").text) for m in f.samples}
+    assert scraped[("trainjobs_worker_devices", (("device", "cpu"), ("state", "held")))] == 2
+    assert scraped[("trainjobs_worker_devices", (("device", "cpu"), ("state", "free")))] == 2  # the other worker's
+    assert scraped[("trainjobs_worker_slots_free", (("device", "cpu"),))] == 2
     shared = [w for w in workers.values() if w["busy_slots"] == 2]  # best fit: both on one worker
     assert len(shared) == 1, [(w["id"], w["busy_slots"], w["devices"], w["jobs"]) for w in workers.values()]
     [shared] = shared

@@ -31,6 +31,7 @@ from service.jobs import queue
 from service.jobs.models import Job
 from service.metrics.models import Metric as MetricRow
 from service.webhooks import outbox
+from service.workers import holds
 from service.workers import service as workers
 from service.workers.models import Worker
 from trainjobs.states import JobStatus
@@ -49,6 +50,15 @@ def add_samples(family: HistogramMetricFamily, labels: list[str], samples: Itera
     cumulative = [(str(float(b)), bisect_right(values, b)) for b in buckets] + [("+Inf", len(values))]
     family.add_metric(labels, cumulative, sum_value=sum(values))
     return family
+
+
+def free_slots(w) -> int:
+    """A live worker's slots free for a job now (none while draining or under disk pressure)."""
+    if w.state == "draining" or w.pressure:
+        return 0
+    if (w.max_jobs or 1) <= 1:
+        return w.slots if w.state == "idle" and w.current_job is None else 0
+    return max(0, w.slots - (w.busy_slots or 0))
 
 
 def by_device(name: str, documentation: str, live: list[Worker], value) -> GaugeMetricFamily:
@@ -104,9 +114,22 @@ class ServiceCollector(Collector):
                         lambda w: 1)
         yield by_device("trainjobs_worker_slots", "Slots (GPUs; processes on CPU) of live workers", live,
                         lambda w: w.slots)
-        # A worker runs one job at a time and a draining one takes none: only an idle worker's slots are free.
-        yield by_device("trainjobs_worker_slots_free", "Slots of live idle workers, free for a job", live,
-                        lambda w: w.slots if w.state == "idle" and w.current_job is None else 0)
+        # A draining worker, or one under disk pressure, takes none; a worker of one job at a time has none free
+        # while it runs one; a shared worker (max_jobs > 1) the slots its holds leave.
+        yield by_device("trainjobs_worker_slots_free", "Slots of live workers free for a job", live, free_slots)
+        devices = GaugeMetricFamily("trainjobs_worker_devices", "Devices (GPUs, or CPU slots) of live workers by "
+                                    "state: free, held by a job, unhealthy", labels=["device", "state"])
+        held = holds.all_held(db)
+        counts: dict[tuple[str, str], int] = {}
+        for w in live:
+            for d in w.devices or [{"index": i, "healthy": True} for i in range(w.slots)]:
+                state = ("held" if d["index"] in held.get(w.id, {}) else
+                         "free" if d.get("healthy", True) else "unhealthy")
+                counts[w.device, state] = counts.get((w.device, state), 0) + 1
+        for device in sorted({w.device for w in live}):
+            for state in ("free", "held", "unhealthy"):
+                devices.add_metric([device, state], counts.get((device, state), 0))
+        yield devices
         # NOTE: the seconds computed by the database: 1,000 rows of two floats, where three datetimes a row cost
         # the scrape most of its Python.
         recent = db.execute(

@@ -119,12 +119,20 @@ def workers_table(page: dict, now: datetime | None = None) -> Table:
     last heard from. Its address and host are in --json."""
     now = now or datetime.now(UTC)
     table = Table(Column("state", no_wrap=True), Column("id", no_wrap=True), Column("busy slots", no_wrap=True),
-                  "memory", "labels", "job", Column("seen", no_wrap=True), title=f"{len(page['items'])} workers")
+                  Column("devices", no_wrap=True), "memory", "labels", "jobs", Column("seen", no_wrap=True),
+                  title=f"{len(page['items'])} workers")
     for w in page["items"]:
         seen = max(0.0, (now - datetime.fromisoformat(w["last_seen"])).total_seconds())
         state = f"{w['state']}, disk pressure" if w.get("pressure") else w["state"]  # why: in --json
-        table.add_row(state, w["id"], f"{w['busy_slots']}/{w['slots']} {w['device']}",
+        jobs = w.get("jobs") or ([w["current_job"]] if w["current_job"] else [])
+        table.add_row(state, w["id"], f"{w['busy_slots']}/{w['slots']} {w['device']}", occupancy(w),
                       f"{w['memory_gb']:g} GiB" if w["memory_gb"] is not None else "",
-                      " ".join(f"{k}={v}" for k, v in sorted(w["labels"].items())), w["current_job"] or "",
+                      " ".join(f"{k}={v}" for k, v in sorted(w["labels"].items())), " ".join(jobs),
                       f"{seen:.0f}s ago")
     return table
+
+
+def occupancy(worker: dict) -> str:
+    """Its devices at a glance, in index order: ■ held (by any job), □ free, ✗ unhealthy."""
+    marks = {"held": "■", "free": "□", "unhealthy": "✗"}
+    return "".join(marks.get(d["state"], "?") for d in worker.get("devices") or [])

@@ -690,6 +690,12 @@ function compareView(query) {
   return () => { stopped = true; stop(); };
 }
 
+// The jobs a worker runs now: every holder of its devices (a shared worker runs several), else its current job.
+function runningJobs(w) {
+  if (w.jobs && w.jobs.length) return w.jobs;
+  return w.current_job ? [w.current_job] : [];
+}
+
 function workersView() {
   show("workers");
   return every(2000, async () => {
@@ -702,8 +708,13 @@ function workersView() {
       el("td", { cls: "muted" }, Object.entries(w.labels || {}).map(([k, v]) => `${k}=${v}`).join(", ")),
       el("td", { cls: "num" }, w.memory_gb !== null && w.memory_gb !== undefined ? `${w.memory_gb} GiB` : ""),
       el("td", { cls: "num" }, `${w.busy_slots}/${w.slots}`),
-      el("td", {}, w.current_job
-        ? el("a", { href: `#/jobs/${encodeURIComponent(w.current_job)}` }, w.current_job) : "idle"),
+      el("td", { cls: "devices" }, ...(w.devices || []).map((d) => el("span", {
+        cls: `dev ${d.state}`,
+        title: `${w.device === "cuda" ? "GPU" : "slot"} ${d.index}${d.uuid ? ` (${d.uuid})` : ""}: ${d.state}` +
+          `${d.job ? ` by ${d.job}` : ""}${d.reason ? ` (${d.reason})` : ""}`,
+      }))),
+      el("td", {}, ...(runningJobs(w).length ? runningJobs(w).flatMap((id, i) => [i ? " " : "",
+        el("a", { href: `#/jobs/${encodeURIComponent(id)}` }, id)]) : ["idle"])),
       el("td", { title: when(w.last_seen) }, ago(w.last_seen))));
     document.querySelector("#workers-table tbody").replaceChildren(...rows);
     $("workers-empty").hidden = rows.length > 0;
