@@ -77,3 +77,32 @@ def test_terminal_states_never_change(settings):
         for status in JobStatus:
             assert not lifecycle.transition(db, job_id=job_id, to=status)
     engine.dispose()
+
+
+def test_a_claim_that_would_put_a_team_over_its_quota_leaves_the_job_queued_and_back_on_its_queue(settings, redis):
+    """The claim is the quota's fence: two workers that planned at one instant both saw the quota free."""
+    from service.auth.models import User
+    from service.jobs import queue
+    from service.scheduling.models import Team
+
+    engine = make_engine(settings.database_url)
+    sessions = make_sessionmaker(engine)
+    with sessions() as db:
+        db.add(Team(name="vision", weight=1.0, max_slots=2))
+        db.add(User(name="vera", team="vision"))
+        db.add(User(name="vic", team="vision"))
+        first = jobs.create(db, spec=JobSpec.model_validate(mlp_spec()), owner="vera").id  # 2 slots
+        second = jobs.create(db, spec=JobSpec.model_validate(mlp_spec()), owner="vic").id
+        db.commit()
+    assert agent.claim(sessions, settings=settings, job_id=first) is not None
+    assert agent.claim(sessions, settings=settings, job_id=second) is None  # 2 + 2 > 2: not now
+    with sessions() as db:
+        assert db.get(Job, second).status == JobStatus.QUEUED
+    waiting = [i.decode() for i in redis.lrange(queue.get_queue(redis, settings.queue_prefix, "normal").key, 0, -1)]
+    assert second in waiting  # back on its queue for the next plan, which keeps it waiting for the quota
+    with sessions() as db:  # the first ends: the second may run
+        lifecycle.transition(db, job_id=first, to=JobStatus.RUNNING)
+        lifecycle.transition(db, job_id=first, to=JobStatus.SUCCEEDED)
+        db.commit()
+    assert agent.claim(sessions, settings=settings, job_id=second) is not None
+    engine.dispose()

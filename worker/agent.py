@@ -12,6 +12,8 @@ from redis.exceptions import RedisError
 
 from service.db import UNREACHABLE, is_refusal, make_engine, make_sessionmaker
 from service.jobs import lifecycle, queue
+from service.jobs.models import Job
+from service.scheduling import quota
 from service.settings import Settings, get_settings
 from service.workers import holds
 from service.workers import service as workers
@@ -153,11 +155,33 @@ def bind_share(sessions, me: Offer, *, job_id: str, attempt: int, node_rank: int
 
 
 def claim(sessions, *, settings: Settings, job_id: str) -> tuple[int, JobSpec] | None:
-    """queued → starting, and open the attempt with its lease (service/jobs/lifecycle.py)."""
+    """queued → starting, and open the attempt with its lease (service/jobs/lifecycle.py); None when the job is
+    not there to take, or would go over its team's or owner's quota (it stays queued and goes back on its queue)."""
     with sessions() as db:
+        if (why := quota.over_quota(db, job_id=job_id)) is not None:
+            db.rollback()
+            log.info("job %s not claimed: %s; back on its queue", job_id, why)
+            requeue(sessions, settings, job_id=job_id)
+            return None
         claimed = lifecycle.claim(db, job_id=job_id, worker=worker_name(), lease_s=settings.lease_s)
         db.commit()
         return claimed
+
+
+def requeue(sessions, settings: Settings, *, job_id: str) -> None:
+    """Put a queued job's entry back (a claim it could not make now); the reconciler does it too, later."""
+    with sessions() as db:
+        job = db.get(Job, job_id)
+        if job is None or job.status != JobStatus.QUEUED:
+            return
+        priority, timeout_s = job.priority, job.spec.timeout_s
+    redis = Redis.from_url(settings.redis_url)
+    try:
+        queue.enqueue(redis, prefix=settings.queue_prefix, job_id=job_id, priority=priority, timeout_s=timeout_s)
+    except RedisError:
+        log.warning("could not put job %s back on its queue; the reconciler will", job_id)
+    finally:
+        redis.close()
 
 
 def prepare_run_dir(settings: Settings, *, job_id: str, attempt: int, spec: JobSpec, node_rank: int = 0) -> Path:
