@@ -176,3 +176,22 @@ def test_kill_9_of_a_shared_worker_sends_both_its_jobs_to_the_other(api, stack, 
     assert not any(processes_of(j) for j in jobs)
     assert os.path.exists("/proc") and all(not psutil.pid_exists(p.pid) or p.status() == psutil.STATUS_ZOMBIE
                                            for p in tree)
+
+
+def test_a_draining_shared_worker_hands_every_job_back_and_the_other_runs_them(api, stack, postgres_url):
+    # After the kill above one worker is left: a second joins, and the two jobs pack onto one of them.
+    [fresh] = stack.add_workers(1)
+    wait_for(lambda: len(api.get("/v1/workers").json()["items"]) >= 2 and all(
+        w["state"] != "lost" for w in api.get("/v1/workers").json()["items"] if w["id"] == f"vm-{fresh.pid}"),
+        30, what="the new worker")
+    jobs = [api.post("/v1/jobs", json=one_slot(f"d{i}", 100, 0.05)).json()["id"] for i in range(2)]
+    for j in jobs:
+        running(api, j)
+    [draining] = {api.get(f"/v1/jobs/{j}").json()["placement"][0]["worker"] for j in jobs}
+    os.kill(int(draining.rpartition("-")[2]), signal.SIGTERM)  # a warm shutdown: every lane hands its job back
+    for j in jobs:
+        done = wait_terminal(api, j, timeout=150)
+        assert done["status"] == "succeeded", done["error"]
+        assert done["placement"][0]["worker"] != draining and done["attempt"] == 2
+    for j in jobs:  # handed back, not failed: no retry spent
+        assert [a.status for a in attempts(postgres_url, j)] == ["preempted", "succeeded"]
