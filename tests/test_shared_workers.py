@@ -128,6 +128,22 @@ def test_a_two_slot_job_waits_for_one_worker_with_two_free_slots_rather_than_spa
         assert attempts(postgres_url, f)[-1].finished_at <= att.started_at
 
 
+def test_a_gang_node_shares_a_worker_with_another_job_and_both_finish(api, stack):
+    beside = api.post("/v1/jobs", json=one_slot("beside", 200, 0.05)).json()["id"]
+    running(api, beside)
+    gang = api.post("/v1/jobs", json=mlp_spec(name="gang", resources={"nnodes": 2, "nproc_per_node": 1,
+                                                                       "device": "cpu"},
+                                              train={"max_steps": 40, "log_every": 10, "seed": 0})).json()["id"]
+    done = wait_terminal(api, gang, timeout=150)
+    assert done["status"] == "succeeded", done["error"]
+    nodes = {p["node_rank"]: p for p in done["placement"]}
+    assert sorted(nodes) == [0, 1] and nodes[0]["worker"] != nodes[1]["worker"]  # one node per worker
+    where = api.get(f"/v1/jobs/{beside}").json()["placement"][0]
+    [shared] = [n for n in nodes.values() if n["worker"] == where["worker"]]  # one node beside the other job
+    assert set(shared["devices"]).isdisjoint(where["devices"])
+    assert wait_terminal(api, beside)["status"] == "succeeded"
+
+
 def test_two_jobs_never_hold_one_device_and_a_restart_keeps_only_live_holds(postgres_url):
     engine = create_engine(postgres_url)
     from sqlalchemy.orm import sessionmaker
