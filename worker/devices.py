@@ -64,6 +64,7 @@ def gpu_machine(name: str, slots: int | None = None) -> Machine | None:
         healthy = memory.replace(".", "", 1).isdigit() and uuid.startswith("GPU-")
         devices.append(Device(index, uuid, int(float(memory)) * 2**20 if healthy else None, healthy=healthy,
                               reason=None if healthy else f"nvidia-smi reports {memory!r}"))
+    devices = visible(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     devices = devices[:slots] if slots else devices
     if not devices:
         return None
@@ -73,6 +74,23 @@ def gpu_machine(name: str, slots: int | None = None) -> Machine | None:
     except (OSError, subprocess.SubprocessError, ValueError):
         log.warning("nvidia-smi topo -m failed: placing GPUs without their links", exc_info=True)
         return Machine(name, "cuda", tuple(devices))
+
+
+def visible(devices: list[Device], mask: str | None) -> list[Device]:
+    """The GPUs a worker started under CUDA_VISIBLE_DEVICES (indices or UUIDs, as CUDA reads it) may give jobs:
+    a worker per group of GPUs on one machine offers only its group. Unset: every GPU."""
+    if mask is None:
+        return devices
+    wanted = [w.strip() for w in mask.split(",") if w.strip()]
+    by_key = {**{str(d.index): d for d in devices}, **{d.uuid: d for d in devices}}
+    out = []
+    for w in wanted:
+        d = by_key.get(w) or next((d for d in devices if d.uuid.startswith(w)), None)  # CUDA takes UUID prefixes
+        if d is None:
+            break  # CUDA stops at the first entry it cannot resolve
+        if d not in out:
+            out.append(d)
+    return out
 
 
 def as_rows(machine: Machine) -> list[dict]:
