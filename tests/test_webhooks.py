@@ -228,7 +228,7 @@ def test_a_url_the_policy_refuses_is_a_422_naming_url(client):
     for url in ("http://169.254.169.254/latest/", "http://10.0.0.5/hook", "http://[::1]:9/", "gopher://x/"):
         r = client.post("/v1/webhooks", json={"url": url})
         assert (r.status_code, r.json()["field"]) == (422, "url"), (url, r.text)
-    assert client.get("/v1/webhooks").json() == {"data": [], "count": 0}
+    assert client.get("/v1/webhooks").json() == {"items": [], "data": [], "count": 0}
 
 
 def test_another_user_can_neither_see_nor_test_nor_delete_a_webhook(client, settings):

@@ -346,7 +346,7 @@ class Client:
 
     def trials(self, sweep_id: str) -> "list[dict]":
         """The sweep's trials in order: parameters, status and reason, steps, the metric's last and best value."""
-        return self._call("GET", f"/v1/sweeps/{sweep_id}/trials").json()["data"]
+        return self._call("GET", f"/v1/sweeps/{sweep_id}/trials").json()["items"]
 
     def cancel_sweep(self, sweep_id: str) -> dict:
         return self._call("POST", f"/v1/sweeps/{sweep_id}/cancel").json()

@@ -12,7 +12,6 @@ from redis.exceptions import RedisError
 
 from service.db import UNREACHABLE, is_refusal, make_engine, make_sessionmaker
 from service.jobs import lifecycle, queue
-from service.jobs.models import Job
 from service.scheduling import quota
 from service.settings import Settings, get_settings
 from service.workers import holds
@@ -170,14 +169,10 @@ def claim(sessions, *, settings: Settings, job_id: str) -> tuple[int, JobSpec] |
 
 def requeue(sessions, settings: Settings, *, job_id: str) -> None:
     """Put a queued job's entry back (a claim it could not make now); the reconciler does it too, later."""
-    with sessions() as db:
-        job = db.get(Job, job_id)
-        if job is None or job.status != JobStatus.QUEUED:
-            return
-        priority, timeout_s = job.priority, job.spec.timeout_s
     redis = Redis.from_url(settings.redis_url)
     try:
-        queue.enqueue(redis, prefix=settings.queue_prefix, job_id=job_id, priority=priority, timeout_s=timeout_s)
+        with sessions() as db:
+            queue.put_back(db, redis, prefix=settings.queue_prefix, job_id=job_id)
     except RedisError:
         log.warning("could not put job %s back on its queue; the reconciler will", job_id)
     finally:

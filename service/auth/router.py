@@ -11,6 +11,7 @@ from service.auth import tokens
 from service.auth.deps import AdminDep, PrincipalDep
 from service.db import utcnow
 from service.errors import responses
+from service.lists import Listing
 
 router = APIRouter(prefix="/v1", tags=["auth"])
 UserName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]*$")]
@@ -46,8 +47,8 @@ class TokenCreated(TokenPublic):
     token: str = Field(description="the secret: shown this once, stored only as a hash")
 
 
-class TokensPublic(BaseModel):
-    data: list[TokenPublic]
+class TokensPublic(Listing):
+    items: list[TokenPublic]
     count: int
 
 
@@ -71,7 +72,7 @@ def create_token(body: TokenCreate, request: Request, db: SessionDep, _admin: Ad
 @router.get("/tokens", response_model=TokensPublic)
 def list_tokens(db: SessionDep, principal: PrincipalDep) -> TokensPublic:
     rows = tokens.visible(db, principal)
-    return TokensPublic(data=[TokenPublic.model_validate(r) for r in rows], count=len(rows))
+    return TokensPublic(items=[TokenPublic.model_validate(r) for r in rows], count=len(rows))
 
 
 @router.delete("/tokens/{token_id}", response_model=TokenPublic, responses=responses(404))

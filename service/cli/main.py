@@ -94,7 +94,7 @@ def cmd_status(args, client: Client) -> int:
         console.print(Text.assemble((f"warning ({warning['kind']}):", "yellow"), f" {warning['message']}"))
     if job["status"] in TERMINAL:
         print_outcome(job, console)
-    for node in client.attempts(args.job_id)["data"]:
+    for node in client.attempts(args.job_id)["items"]:
         if node["number"] == job["attempt"] and node["stacks"]:
             print_stacks(node, full=False)
     return 0
@@ -114,7 +114,7 @@ def cmd_stacks(args, client: Client) -> int:
     answer = client.stacks(args.job_id)
     if args.json:
         return print_json(answer)
-    for node in answer["data"]:
+    for node in answer["items"]:
         print_stacks(node, full=True)
     return 0
 

@@ -51,7 +51,7 @@ def cmd_team_list(args, client: Client) -> int:
         print(json.dumps(teams, indent=2))
         return 0
     table = Table("team", "weight", "max slots", "device-hours", "members")
-    for t in teams["data"]:
+    for t in teams["items"]:
         table.add_row(t["name"], f"{t['weight']:g}", str(t["max_slots"] or "-"), f"{t['usage_device_hours']:.2f}",
                       ", ".join(t["members"]))
     console.print(table)

@@ -119,7 +119,7 @@ def cmd_packages(args, client: Client) -> int:
     if args.json:
         print(json.dumps(page, indent=2))
         return 0
-    for p in page["data"]:
+    for p in page["items"]:
         console.print(f"{p['digest']}  {p['size']:>12} bytes  {p['files']:>6} members  {p['created_at']}")
     console.print(f"{page['count']} package(s), {page['bytes']} bytes")
     return 0

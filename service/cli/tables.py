@@ -118,14 +118,17 @@ def workers_table(page: dict, now: datetime | None = None) -> Table:
     """One row a worker: its state, what it offers (device, slots, memory, labels), what it runs, when it was
     last heard from. Its address and host are in --json."""
     now = now or datetime.now(UTC)
+    # The devices column only where a worker lists its devices (one of an earlier version does not).
+    shows_devices = any(w.get("devices") for w in page["items"])
     table = Table(Column("state", no_wrap=True), Column("id", no_wrap=True), Column("busy slots", no_wrap=True),
-                  Column("devices", no_wrap=True), "memory", "labels", "jobs", Column("seen", no_wrap=True),
-                  title=f"{len(page['items'])} workers")
+                  *([Column("devices", no_wrap=True)] if shows_devices else []), "memory", "labels", "jobs",
+                  Column("seen", no_wrap=True), title=f"{len(page['items'])} workers")
     for w in page["items"]:
         seen = max(0.0, (now - datetime.fromisoformat(w["last_seen"])).total_seconds())
         state = f"{w['state']}, disk pressure" if w.get("pressure") else w["state"]  # why: in --json
         jobs = w.get("jobs") or ([w["current_job"]] if w["current_job"] else [])
-        table.add_row(state, w["id"], f"{w['busy_slots']}/{w['slots']} {w['device']}", occupancy(w),
+        table.add_row(state, w["id"], f"{w['busy_slots']}/{w['slots']} {w['device']}",
+                      *([occupancy(w)] if shows_devices else []),
                       f"{w['memory_gb']:g} GiB" if w["memory_gb"] is not None else "",
                       " ".join(f"{k}={v}" for k, v in sorted(w["labels"].items())), " ".join(jobs),
                       f"{seen:.0f}s ago")

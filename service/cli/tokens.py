@@ -48,7 +48,7 @@ def cmd_list(args, client: Client) -> int:
         print(json.dumps(page, indent=2))
         return 0
     table = Table("id", "name", "user", "role", "created", "last used", "expires", "revoked")
-    for t in page["data"]:
+    for t in page["items"]:
         table.add_row(t["id"], t["name"], t["user"], t["role"], t["created_at"], t["last_used_at"] or "",
                       t["expires_at"] or "", t["revoked_at"] or "")
     Console(markup=False).print(table)

@@ -127,6 +127,15 @@ def enqueue(redis: Redis, *, prefix: str, job_id: str, priority: str, timeout_s:
     enqueue_many(redis, prefix=prefix, jobs=[(job_id, priority, timeout_s)])
 
 
+def put_back(db: Session, redis: Redis, *, prefix: str, job_id: str) -> bool:
+    """A queued job's entry again (its claim could not be made now); False when it is no longer queued."""
+    job = db.get(Job, job_id)
+    if job is None or job.status != JobStatus.QUEUED:
+        return False
+    enqueue(redis, prefix=prefix, job_id=job_id, priority=job.priority, timeout_s=job.spec.timeout_s)
+    return True
+
+
 def enqueue_many(redis: Redis, *, prefix: str, jobs: Sequence[tuple[str, str, float]]) -> None:
     """enqueue of each (job id, priority, timeout_s), in one round trip (MULTI/EXEC): RQ's own enqueue takes two
     a job (the queue's name in the set of queues, then the job's hash and the push)."""

@@ -190,7 +190,7 @@ def take_stacks(job_id: JobIdDep, db: SessionDep):
         fresh = [a for a in nodes if (a.stacks or {}).get("requested_at")
                  and datetime.fromisoformat(a.stacks["requested_at"]) >= asked]
         if any(a.node_rank == 0 for a in fresh):
-            return AttemptsPublic(data=[AttemptPublic.model_validate(a) for a in fresh], count=len(fresh))
+            return AttemptsPublic(items=[AttemptPublic.model_validate(a) for a in fresh], count=len(fresh))
         db.rollback()
         time.sleep(0.2)
     raise GatewayTimeout(f"the worker of job {job_id} did not send its stacks within {STACKS_WAIT_S:g}s")
@@ -202,4 +202,4 @@ def list_attempts(job_id: str, db: SessionDep, principal: PrincipalDep):
     with db:  # the owner check and the read in one session, closed in this thread (see read_job)
         visible_job(db, job_id=job_id, principal=principal)
         attempts = service.attempts_of(db, job_id=job_id)
-        return AttemptsPublic(data=[AttemptPublic.model_validate(a) for a in attempts], count=len(attempts))
+        return AttemptsPublic(items=[AttemptPublic.model_validate(a) for a in attempts], count=len(attempts))

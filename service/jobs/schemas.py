@@ -6,6 +6,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from service.jobs.models import Job
+from service.lists import Listing
 from trainjobs.states import TERMINAL, AttemptStatus
 
 
@@ -105,6 +106,6 @@ class AttemptPublic(BaseModel):
     model_config = {"from_attributes": True}
 
 
-class AttemptsPublic(BaseModel):
-    data: list[AttemptPublic]
+class AttemptsPublic(Listing):
+    items: list[AttemptPublic]
     count: int

@@ -9,6 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from service.api.deps import SessionDep, SettingsDep
 from service.auth.deps import PrincipalDep
 from service.errors import Forbidden, responses
+from service.lists import Listing
 from service.packages import service
 from service.packages.models import Package
 
@@ -29,8 +30,8 @@ class PackagePublic(BaseModel):
                    unpacked_bytes=package.unpacked_bytes, created_at=package.created_at)
 
 
-class PackagesPublic(BaseModel):
-    data: list[PackagePublic]
+class PackagesPublic(Listing):
+    items: list[PackagePublic]
     count: int
     bytes: int
 
@@ -43,7 +44,7 @@ def _owner(principal) -> str | None:
 def list_packages(db: SessionDep, principal: PrincipalDep) -> PackagesPublic:
     """The caller's own packages, oldest first."""
     packages = service.listing(db, owner=principal.user)
-    return PackagesPublic(data=[PackagePublic.of(p) for p in packages], count=len(packages),
+    return PackagesPublic(items=[PackagePublic.of(p) for p in packages], count=len(packages),
                           bytes=sum(p.size for p in packages))
 
 

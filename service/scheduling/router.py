@@ -12,6 +12,7 @@ from service.auth.deps import AdminDep, PrincipalDep
 from service.auth.models import User
 from service.errors import NotFound, responses
 from service.jobs.models import Job
+from service.lists import Listing
 from service.scheduling import policy
 from service.scheduling import service as scheduling
 from service.scheduling.models import Team
@@ -113,8 +114,8 @@ class TeamPublic(TeamBody):
     usage_device_hours: float = 0.0
 
 
-class TeamsPublic(BaseModel):
-    data: list[TeamPublic]
+class TeamsPublic(Listing):
+    items: list[TeamPublic]
     count: int
 
 
@@ -133,7 +134,7 @@ def put_team(name: Name, body: TeamBody, db: SessionDep, _admin: AdminDep) -> Te
 def list_teams(db: SessionDep, settings: SettingsDep, _principal: PrincipalDep) -> TeamsPublic:
     usage = scheduling.usage_now(db, now=datetime.now(UTC), half_life_s=settings.fair_share_half_life_s)
     rows = [_team(db, t, usage) for t in db.scalars(select(Team).order_by(Team.name))]
-    return TeamsPublic(data=rows, count=len(rows))
+    return TeamsPublic(items=rows, count=len(rows))
 
 
 @router.delete("/teams/{name}", response_model=TeamPublic, responses=responses(403, 404))

@@ -64,7 +64,7 @@ def list_trials(sweep_id: str, db: SessionDep, principal: PrincipalDep):
     and best value."""
     row = service.visible(db, sweep_id=sweep_id, principal=principal)
     rows = service.trials(db, metrics={row.id: service.config_of(row).metric})[row.id]
-    return TrialsPublic(data=[TrialPublic.of(t) for t in rows], count=len(rows))
+    return TrialsPublic(items=[TrialPublic.of(t) for t in rows], count=len(rows))
 
 
 @router.post("/{sweep_id}/cancel", response_model=SweepPublic, responses=responses(404, 409))

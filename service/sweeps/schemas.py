@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from service.lists import Listing
 from service.sweeps.models import Sweep
 from service.sweeps.service import TrialRow, best_of, config_of
 
@@ -79,6 +80,6 @@ class SweepsPublic(BaseModel):
     next_cursor: str | None
 
 
-class TrialsPublic(BaseModel):
-    data: list[TrialPublic]
+class TrialsPublic(Listing):
+    items: list[TrialPublic]
     count: int

@@ -35,7 +35,7 @@ def create_webhook(body: WebhookCreate, db: SessionDep, settings: SettingsDep, p
 def list_webhooks(db: SessionDep, principal: PrincipalDep,
                   owner: Annotated[str | None, Query(max_length=64, description="admins only")] = None):
     hooks = service.visible(db, principal=principal, owner=owner)
-    return WebhooksPublic(data=[WebhookPublic.of(h) for h in hooks], count=len(hooks))
+    return WebhooksPublic(items=[WebhookPublic.of(h) for h in hooks], count=len(hooks))
 
 
 @router.get("/{webhook_id}", response_model=WebhookPublic, responses=responses(404))
@@ -59,7 +59,7 @@ def list_deliveries(
     """The webhook's deliveries, newest first: each event's tries, status codes, answers, next try."""
     rows = service.deliveries(db, webhook_id=webhook_id, principal=principal, status=status, limit=limit,
                               before=before)
-    return DeliveriesPublic(data=[DeliveryPublic.of(r) for r in rows], count=len(rows))
+    return DeliveriesPublic(items=[DeliveryPublic.of(r) for r in rows], count=len(rows))
 
 
 @router.post("/{webhook_id}/test", response_model=DeliveryPublic, responses=responses(404))

@@ -5,6 +5,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from service.lists import Listing
 from service.webhooks.models import Delivery, Webhook
 from service.webhooks.outbox import EVENTS
 
@@ -48,8 +49,8 @@ class WebhookCreated(WebhookPublic):
     secret: str = Field(description="shown this once: keep it to check each delivery's signature")
 
 
-class WebhooksPublic(BaseModel):
-    data: list[WebhookPublic]
+class WebhooksPublic(Listing):
+    items: list[WebhookPublic]
     count: int
 
 
@@ -79,6 +80,6 @@ class DeliveryPublic(BaseModel):
                    tries=row.tries or [])
 
 
-class DeliveriesPublic(BaseModel):
-    data: list[DeliveryPublic]
+class DeliveriesPublic(Listing):
+    items: list[DeliveryPublic]
     count: int

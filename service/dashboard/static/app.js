@@ -411,7 +411,7 @@ function jobView(id) {
     job = body;
     if (changed) renderJob(body);
   };
-  const refreshAttempts = async () => renderAttempts((await (await api(`${base}/attempts`)).json()).data);
+  const refreshAttempts = async () => renderAttempts((await (await api(`${base}/attempts`)).json()).items);
   let streamFrom = null; // the metrics answer's cursor: the stream then sends only newer points
   const loadMetrics = async () => {
     const body = await (await api(`${base}/metrics?max_points=${MAX_POINTS}`)).json();
