@@ -36,7 +36,7 @@ def cmd_list(args, client: Client) -> int:
         print(json.dumps(page, indent=2))
         return 0
     table = Table(Column("id", no_wrap=True), "url", "events", "format", "owner", "secret", "created")
-    for h in page["data"]:
+    for h in page["items"]:
         owner = h["owner"] + (" (all users)" if h["all_users"] else "")
         table.add_row(h["id"], h["url"], ", ".join(h["events"]), h["format"], owner, h["secret_hint"],
                       h["created_at"])
@@ -60,7 +60,7 @@ def cmd_deliveries(args, client: Client) -> int:
         return 0
     table = Table(Column("event id", no_wrap=True), "event", "subject", "status", "tries", "last answer", "next try",
                   "created")
-    for d in page["data"]:
+    for d in page["items"]:
         answer = str(d["last_status_code"]) if d["last_status_code"] is not None else (d["last_error"] or "")
         table.add_row(d["event_id"], d["event"], d["subject"], d["status"], str(d["attempts"]), answer[:60],
                       d["next_attempt_at"] or "", d["created_at"])
