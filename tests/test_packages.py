@@ -343,3 +343,22 @@ def test_the_cache_evicts_the_least_recently_used_past_its_limit(tmp_path, monke
 def test_a_missing_package_file_is_a_clear_error(tmp_path):
     with pytest.raises(worker_packages.PackageUnavailable, match="not in the storage folder"):
         cache_of(tmp_path).get("sha256:" + "0" * 64, tmp_path / "gone.tar.gz")
+
+
+def test_a_package_never_holds_a_stacks_data_dir_secrets_or_database(tmp_path):
+    """`trainjobs up` run in the folder a user then packs (the new-user walkthrough found its admin token and live
+    SQLite file inside the job): whatever their names, those folders and files stay out."""
+    project = tmp_path / "proj"
+    (project / "trainjobs-data" / "runs").mkdir(parents=True)
+    (project / "trainjobs-data" / "trainjobs.db").write_text("db")
+    (project / "trainjobs-data-secrets").mkdir()
+    (project / "trainjobs-data-secrets" / "admin.token").write_text("tj_secret")
+    (project / "mystack" / "runs").mkdir(parents=True)  # a data dir under another name: runs/ beside storage/
+    (project / "mystack" / "storage").mkdir()
+    (project / "keys").mkdir()
+    (project / "keys" / "admin.token").write_text("tj_secret")
+    (project / "trainjobs.db").write_text("db")
+    (project / "train.py").write_text("print('hi')\n")
+    (project / "data").mkdir()
+    (project / "data" / "points.csv").write_text("1,2\n")
+    assert [name for name, _ in packing.walk(project)] == ["data", "data/points.csv", "train.py"]

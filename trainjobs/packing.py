@@ -23,7 +23,11 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 IGNORE_FILE = ".trainjobsignore"
-ALWAYS_LEFT_OUT = frozenset({".git", "__pycache__", ".venv"})
+ALWAYS_LEFT_OUT = frozenset({".git", "__pycache__", ".venv", "trainjobs-data", "trainjobs-data-secrets"})
+# Never packed whatever their name: a service's data dir or secrets dir (`trainjobs up` run in the folder being
+# packed): its database, its admin token, earlier jobs' runs and packages would go into the job.
+SERVICE_MARKERS = ("admin.token", "trainjobs.db")
+SERVICE_FILES = frozenset({"admin.token", "trainjobs.db", "trainjobs.db-wal", "trainjobs.db-shm"})
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 CHUNK = 1 << 20
 
@@ -90,6 +94,12 @@ class Ignore:
         return verdict
 
 
+def service_dir(folder: Path) -> bool:
+    """A trainjobs data dir or secrets dir (its database, its admin token, or runs/ beside storage/)."""
+    return (any((folder / m).is_file() for m in SERVICE_MARKERS)
+            or ((folder / "runs").is_dir() and (folder / "storage").is_dir()))
+
+
 def walk(folder: Path) -> Iterator[tuple[str, Path]]:
     """(archive name, path) of what a package of `folder` holds, sorted; ignored folders are not entered."""
     ignore = Ignore.of(folder)
@@ -99,6 +109,8 @@ def walk(folder: Path) -> Iterator[tuple[str, Path]]:
             relative = f"{prefix}{entry.name}"
             is_dir = entry.is_dir() and not entry.is_symlink()
             if entry.name in ALWAYS_LEFT_OUT or ignore.ignored(relative, is_dir):
+                continue
+            if (entry.name in SERVICE_FILES and not is_dir) or (is_dir and service_dir(entry)):
                 continue
             yield relative, entry
             if is_dir:
