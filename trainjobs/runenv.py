@@ -35,10 +35,14 @@ RESERVED_ENV = frozenset({
 })
 
 
+# What a job's env may set though it is ours: a switch of the job's own process (trainjobs/capture).
+JOB_SETTABLE_ENV = frozenset({"TRAINJOBS_CAPTURE"})
+
+
 def reserved_env(name: str) -> bool:
     """A variable a job's `env` may not set."""
     upper = name.upper()
-    return upper in RESERVED_ENV or upper.startswith(RESERVED_ENV_PREFIXES)
+    return upper not in JOB_SETTABLE_ENV and (upper in RESERVED_ENV or upper.startswith(RESERVED_ENV_PREFIXES))
 
 
 SPEC_FILE = "spec.json"  # in the run dir: the resolved spec the built-in runtime reads

@@ -5,7 +5,9 @@ clean exit that skips the interpreter's teardown.
     python .../worker/user_main.py module NAME [ARGS...]
 
 Run by its path, never `-m worker.user_main`: a user's own `worker` module would hide ours. So it imports
-nothing but the standard library (its folder is sys.path[0] until it hands the path to the user's code).
+nothing but the standard library (its folder is sys.path[0] until it hands the path to the user's code), and
+trainjobs.capture (standard library too), which picks up an unmodified HF Trainer's, Lightning's, TensorBoard's
+and MLflow's scalars; TRAINJOBS_CAPTURE=0 in the ranks' environment leaves it out.
 
 The script runs as `__main__` with `python PATH` semantics (sys.argv, sys.path[0] = its folder, __file__), the
 module with `python -m NAME` semantics (runpy.run_module). After it returns (or raises, or calls sys.exit),
@@ -44,6 +46,7 @@ def main(argv: list[str]) -> None:
     kind, target, args = argv[0], argv[1], argv[2:]
     code = 0
     atexit.register(lambda: leave(code))  # first registered, so it runs last
+    install_capture()  # its atexit handler (the summary) runs after the script's, before leave()
     try:
         if kind == "script":
             sys.argv = [target, *args]
@@ -61,6 +64,19 @@ def main(argv: list[str]) -> None:
         record(error, tb)
         code = 1
     sys.exit(code)
+
+
+def install_capture() -> None:
+    """trainjobs' zero-code capture (trainjobs/capture): never a reason for the script not to run."""
+    if os.environ.get("TRAINJOBS_CAPTURE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return  # not even imported
+    try:
+        from trainjobs.capture import install
+
+        install()
+    except Exception as error:  # noqa: BLE001 - the script runs all the same, without capture
+        print(f"[trainjobs] capture: not installed ({type(error).__name__}: {error}); the script runs without it",
+              file=sys.stderr, flush=True)
 
 
 def exit_code(code: object) -> int:
