@@ -50,11 +50,13 @@ RUN echo "torch==${TORCH_VERSION}" > /etc/pip-torch-constraint.txt \
  && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 ENV PIP_CONSTRAINT=/etc/pip-torch-constraint.txt
 
-# 2. The project's dependencies (core + the worker extra), read from pyproject.toml alone, so that a change
+# 2. The project's dependencies (core + the worker and s3 extras: object storage, TRAINJOBS_STORAGE_URL), read
+#    from pyproject.toml alone, so that a change
 #    to the code does not reinstall them (README.md: pyproject names it as the readme).
 COPY pyproject.toml README.md ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['worker']))" > /tmp/requirements.txt \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['worker'] + p['optional-dependencies']['s3']))" \
+    > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
 
@@ -66,7 +68,7 @@ COPY migrations ./migrations
 # Everything is installed by now, so this only builds and installs trainjobs itself. The smoke test runs
 # with -P (no cwd on sys.path) so that it imports the installed packages, not the copies in /app.
 # hadolint ignore=DL3013
-RUN pip install '.[worker]' \
+RUN pip install '.[worker,s3]' \
  && rm -rf build ./*.egg-info \
  && trainjobs --help > /dev/null \
  && python -P -c "import trainjobs.client, service.api.app, worker.main, worker.agent, worker.train.main, migrations, torch.distributed.run"

@@ -16,6 +16,13 @@ class Settings(BaseSettings):
     data_dir: Path = Path("./trainjobs-data")
     database_url: str | None = None  # default: SQLite in data_dir
     storage_dir: Path | None = None  # checkpoints and artifacts, one folder per job; default: data_dir/storage
+    # Object storage (service/storage/, worker/store_sync.py): with a store, storage_dir is each machine's own cache.
+    storage_url: str | None = Field(None, description="s3://bucket/prefix (or file:///folder): where checkpoints "
+                                    "and artifacts are kept, so workers need no shared filesystem (AWS_* variables "
+                                    "for its endpoint and credentials); unset: storage_dir alone")
+    store_timeout_s: float = Field(20.0, gt=0, description="one request to the store: connect and read timeout")
+    store_wait_s: float = Field(300.0, ge=0, description="at an attempt's end, how long the worker retries storing "
+                                "its last checkpoint and artifacts before the job fails naming the store")
     scripts_dir: Path | None = None  # entrypoint scripts are resolved inside it; default: data_dir/scripts
     allow_entrypoints: bool = False  # a worker runs users' own code only when told to
     redis_url: str = "redis://127.0.0.1:6379/0"

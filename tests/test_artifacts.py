@@ -52,7 +52,7 @@ def test_missing_artifacts_and_jobs_are_404(client, job_with_files):
 
 def test_a_job_without_artifacts_lists_none(client):
     job = client.post("/v1/jobs", json=mlp_spec()).json()
-    assert client.get(f"/v1/jobs/{job['id']}/artifacts").json() == {"data": [], "count": 0}
+    assert client.get(f"/v1/jobs/{job['id']}/artifacts").json() == {"items": [], "data": [], "count": 0}
 
 
 @pytest.mark.parametrize("linked", ["artifacts", "job"])
@@ -69,7 +69,7 @@ def test_a_job_folder_swapped_for_a_link_serves_nothing_outside_it(client, setti
     folder.parent.mkdir(parents=True, exist_ok=True)
     folder.symlink_to(elsewhere if linked == "job" else elsewhere / "artifacts")
 
-    assert client.get(f"/v1/jobs/{job['id']}/artifacts").json() == {"data": [], "count": 0}
+    assert client.get(f"/v1/jobs/{job['id']}/artifacts").json() == {"items": [], "data": [], "count": 0}
     r = client.get(f"/v1/jobs/{job['id']}/artifacts/admin.token")
     assert r.status_code == 404 and "tj_not-yours" not in r.text
 

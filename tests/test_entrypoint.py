@@ -225,7 +225,7 @@ def test_a_script_finds_no_admin_token_and_cannot_have_it_served_through_a_link(
         served = api.get(f"/v1/jobs/{job['id']}/artifacts/admin.token")
     assert job["status"] == "succeeded", job["error"]
     assert ("linked True" in logs or "could not link" in logs) and "found" not in logs
-    assert listed == {"data": [], "count": 0}
+    assert listed == {"items": [], "data": [], "count": 0}
     assert served.status_code == 404 and entry_stack.token not in served.text
 
 

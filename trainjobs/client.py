@@ -420,7 +420,7 @@ class Client:
 
     def artifacts(self, job_id: str) -> "list[dict]":  # a string: `list` is a method here
         """The job's output files: [{"name", "size", "modified"}]."""
-        return self._call("GET", f"/v1/jobs/{job_id}/artifacts").json()["data"]
+        return self._call("GET", f"/v1/jobs/{job_id}/artifacts").json()["items"]
 
     def download(self, job_id: str, name: str, dest: str | os.PathLike | None = None) -> Path:
         """Save the artifact `name` to `dest`, streamed; returns the file's path. A partial download never stands

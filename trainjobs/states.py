@@ -78,3 +78,5 @@ class ErrorType(StrEnum):
     IDLE = "idle"  # its devices (on CPU: every rank's CPU) below idle.min_util for idle.window_s, action fail
     REQUIREMENTS_FAILED = "requirements_failed"  # pip could not install entrypoint.requirements (pip's words)
     DISK_FULL = "disk_full"  # a write of the job's failed for want of space: the error names the disk and the path
+    # The object store (TRAINJOBS_STORAGE_URL) kept its artifacts out past TRAINJOBS_STORE_WAIT_S.
+    STORE_UNAVAILABLE = "store_unavailable"

@@ -22,6 +22,7 @@ from service.db import make_engine, make_sessionmaker
 from service.jobs.queue import GuardedJob, queue_names
 from service.redis_auth import warn_if_open
 from service.settings import get_settings
+from service.storage import check_store
 from service.undumpable import make_undumpable
 from trainjobs.runenv import PREEMPT_SIGNAL
 from worker import processes, sandbox
@@ -130,6 +131,7 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
         sandbox.check_start(settings, support)
     except sandbox.SandboxUnavailable as exc:
         raise SystemExit(f"trainjobs worker: {exc}") from None
+    check_store(settings, who="worker")  # issue 31: a store configured but unusable stops the start, naming it
     redis_open = warn_if_open(settings, who="worker", log=log)
     if redis_open and settings.sandbox == "required":
         raise SystemExit("trainjobs worker: TRAINJOBS_SANDBOX=required, but Redis answers without a password: any "

@@ -24,7 +24,7 @@ from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType, JobStatus
-from worker import devices, environments, launch, packages, processes, sandbox
+from worker import devices, environments, launch, packages, processes, sandbox, store_sync
 from worker.inventory import free_bytes
 from worker.lease import Lease
 from worker.root_cause import disk_full, root_cause
@@ -137,7 +137,7 @@ class Supervisor:
             # What earlier attempts used of the job's metric caps.
             self.metrics.names, self.metrics.points = metrics_service.stored(db, job_id=self.job_id,
                                                                              node_rank=self.node_rank)
-        env = None
+        env = sync = None
         try:
             if requirements:
                 try:
@@ -149,12 +149,25 @@ class Supervisor:
                         return self._outcome(None, self._stop_reason(), [])
                     return Outcome(JobStatus.FAILED, error={"type": ErrorType.REQUIREMENTS_FAILED, "rank": None,
                                                             "message": str(exc)})
-            return self._launch(job_dir=job_dir, code_dir=code_dir, scripts_dir=scripts_dir,
-                                entry_script=entry_script, python=env.python if env else sys.executable,
-                                init_from=init_from)
+            # --- object storage (issue 31, worker/store_sync.py): no-op without TRAINJOBS_STORAGE_URL ---
+            sync = store_sync.for_attempt(self.settings, job_id=self.job_id, job_dir=job_dir, spec=self.spec,
+                                          node_rank=self.node_rank, gang=self.gang is not None,
+                                          stale=lambda: self.lease_lost or self.lease.expired)
+            if error := sync.restore():  # the store's newest checkpoint, where this machine lacks it
+                return Outcome(JobStatus.FAILED, error=error)
+            sync.start()  # uploads each new complete checkpoint while the ranks train
+            outcome = self._launch(job_dir=job_dir, code_dir=code_dir, scripts_dir=scripts_dir,
+                                   entry_script=entry_script, python=env.python if env else sys.executable,
+                                   init_from=init_from)
+            if error := sync.finish(succeeded=outcome.status is JobStatus.SUCCEEDED):  # last checkpoint, artifacts
+                outcome = Outcome(JobStatus.FAILED, outcome.exit_code, error=error)
+            # --- end of object storage ---
+            return outcome
         finally:
             if env is not None:
                 env.release()
+            if sync is not None:
+                sync.close()
             shutil.rmtree(self.run_dir / "code", ignore_errors=True)  # the package's copy: outputs go to artifacts
 
     def _launch(self, *, job_dir: Path, code_dir: Path | None, scripts_dir: Path, entry_script: Path | None,

@@ -39,6 +39,7 @@ from service.packages.router import router as packages_router
 from service.redis_auth import warn_if_open
 from service.scheduling.router import router as scheduling_router
 from service.settings import Settings, get_settings
+from service.storage import check_store
 from service.sweeps.router import router as sweeps_router
 from service.webhooks.delivery import Deliverer
 from service.webhooks.router import router as webhooks_router
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     settings = app.state.settings
+    app.state.store = check_store(settings, who="api")  # issue 31: a store configured but unusable stops the start
     if settings.auth:
         with app.state.sessionmaker() as db:
             if tokens.bootstrap_admin(db, settings):

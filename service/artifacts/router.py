@@ -4,14 +4,17 @@ from datetime import datetime
 from email.utils import formatdate
 from urllib.parse import quote
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from service.api.deps import SettingsDep
 from service.artifacts import service as storage
+from service.artifacts import stored
 from service.auth.deps import JobIdDep
 from service.errors import responses
+from service.lists import Listing
+from service.storage import Store, open_store
 
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 
@@ -22,25 +25,37 @@ class ArtifactPublic(BaseModel):
     modified: datetime  # UTC, ISO 8601, as every time the API returns
 
 
-class ArtifactsPublic(BaseModel):
-    data: list[ArtifactPublic]
+class ArtifactsPublic(Listing):
+    items: list[ArtifactPublic]
     count: int
 
 
+def object_store(request: Request, settings: SettingsDep) -> Store | None:
+    """The store the API checked at its start (service/api/app.py), or None: the storage dir serves."""
+    if not hasattr(request.app.state, "store"):  # an app made without its lifespan (a test's)
+        request.app.state.store = open_store(settings)
+    return request.app.state.store
+
+
 @router.get("/{job_id}/artifacts", responses=responses(404))
-def list_artifacts(job_id: JobIdDep, settings: SettingsDep) -> ArtifactsPublic:
-    files = storage.list_artifacts(settings, job_id)
-    return ArtifactsPublic(data=[ArtifactPublic(**f) for f in files], count=len(files))
+def list_artifacts(job_id: JobIdDep, request: Request, settings: SettingsDep) -> ArtifactsPublic:
+    store = object_store(request, settings)
+    files = stored.list_artifacts(store, job_id) if store else storage.list_artifacts(settings, job_id)
+    return ArtifactsPublic(items=[ArtifactPublic(**f) for f in files], count=len(files))
 
 
 @router.get("/{job_id}/artifacts/{name:path}", response_class=StreamingResponse, responses=responses(404))
-def download_artifact(job_id: JobIdDep, name: str, settings: SettingsDep) -> StreamingResponse:
-    # Streamed from the file that was opened and checked (service.py's NOTE), so no Range requests.
-    file, info = storage.open_artifact(settings, job_id, name)
+def download_artifact(job_id: JobIdDep, name: str, request: Request, settings: SettingsDep) -> StreamingResponse:
+    if (store := object_store(request, settings)) is not None:
+        chunks, obj = stored.open_artifact(store, job_id, name)
+        size, modified = obj.size, obj.modified.timestamp()
+    else:
+        # Streamed from the file that was opened and checked (service.py's NOTE), so no Range requests.
+        file, info = storage.open_artifact(settings, job_id, name)
+        chunks, size, modified = storage.read_chunks(file, info.st_size), info.st_size, info.st_mtime
     filename = name.rsplit("/", 1)[-1]
     disposition = (f'attachment; filename="{filename}"' if quote(filename) == filename
                    else f"attachment; filename*=utf-8''{quote(filename)}")
-    headers = {"Content-Length": str(info.st_size), "Last-Modified": formatdate(info.st_mtime, usegmt=True),
+    headers = {"Content-Length": str(size), "Last-Modified": formatdate(modified, usegmt=True),
                "Content-Disposition": disposition}
-    return StreamingResponse(storage.read_chunks(file, info.st_size), media_type="application/octet-stream",
-                             headers=headers)
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)

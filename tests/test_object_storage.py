@@ -1,0 +1,243 @@
+"""Object storage (issue 31) against a real S3 HTTP server on loopback: moto's server mode.
+
+The backends (directory and S3) behind one interface, keys that cannot leave a job's prefix, a checkpoint that
+counts only once its manifest is written, the start checks; and end to end, a job whose worker is killed with
+kill -9 (every process of it) and its local storage dir deleted resumes on a second worker with a storage dir of
+its own from the store's checkpoint, and its artifacts download through an API whose storage dir is a third.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import psutil
+import pytest
+
+from service.settings import Settings
+from service.storage import DirectoryStore, StoreUnavailable, artifact_key, open_store
+from service.storage.store import checkpoint_key, manifest_key
+from tests.conftest import mlp_spec
+from tests.helpers import free_port, live_stack, processes_of, wait_for, wait_terminal
+from trainjobs.errors import InvalidRequest
+from trainjobs.paths import new_job_id
+from worker import sandbox
+from worker.store_sync import AttemptSync, upload_tree
+
+BUCKET = "trainjobs-test"
+AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """moto's S3 server on a free loopback port, with the bucket; the AWS variables point every process at it."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
+    server.start()
+    endpoint = f"http://127.0.0.1:{server._port}"
+    saved = {k: os.environ.get(k) for k in (*AWS, "AWS_ENDPOINT_URL")}
+    os.environ.update({**AWS, "AWS_ENDPOINT_URL": endpoint})
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    try:
+        yield endpoint
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stop()
+
+
+@pytest.fixture(params=["directory", "s3"])
+def store(request, tmp_path):
+    if request.param == "directory":
+        return DirectoryStore(tmp_path / "store")
+    request.getfixturevalue("s3_endpoint")
+    return open_store(Settings(storage_url=f"s3://{BUCKET}/unit-{tmp_path.name}"))
+
+
+def test_a_store_puts_gets_lists_reads_ranges_and_deletes(store, tmp_path):
+    job = new_job_id()
+    (tmp_path / "store").mkdir(exist_ok=True)
+    store.check()
+    key = artifact_key(job, "sub/out.bin")
+    store.put_bytes(key, b"0123456789")
+    store.put_bytes(artifact_key(job, "a.txt"), b"a")
+    assert [(o.key, o.size) for o in store.list(artifact_key(job))] == [(artifact_key(job, "a.txt"), 1), (key, 10)]
+    assert b"".join(store.read(key, 2, 5)) == b"2345" and b"".join(store.read(key, 7)) == b"789"
+    store.get_file(key, tmp_path / "got")
+    assert (tmp_path / "got").read_bytes() == b"0123456789" and store.head(key).size == 10
+    store.delete([key, artifact_key(job, "never-there")])
+    assert store.head(key) is None and [o.key for o in store.list(artifact_key(job))] == [artifact_key(job, "a.txt")]
+    with pytest.raises(FileNotFoundError):
+        list(store.read(key))
+
+
+@pytest.mark.parametrize("name", ["../x", "a/../../b", "/etc/passwd", "a//b", ".", "a\\..\\b", "a/\0"])
+def test_a_key_never_leaves_the_jobs_prefix(name, tmp_path):
+    job = new_job_id()
+    with pytest.raises(InvalidRequest):
+        artifact_key(job, name)
+    with pytest.raises(InvalidRequest):
+        checkpoint_key(job, name)
+    with pytest.raises(InvalidRequest):
+        artifact_key("../" + job[3:], "model.pt")  # not a job id
+    with pytest.raises(InvalidRequest):  # however a key was made, the store checks it again
+        DirectoryStore(tmp_path).put_bytes(f"jobs/{job}/{name}", b"x")
+
+
+def checkpoint(job_dir: Path, step: int, *, complete: bool = True) -> Path:
+    folder = job_dir / "checkpoints" / f"step_{step:08d}"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(os.urandom(1000 + step))
+    (folder / "sub" / "trainer.json").write_text(json.dumps({"step": step}))
+    if complete:
+        (folder / "COMPLETE").write_text("{}")
+    return folder
+
+
+def test_only_a_checkpoint_with_its_manifest_is_the_latest_and_retention_keeps_k(s3_endpoint, tmp_path):
+    store, job = open_store(Settings(storage_url=f"s3://{BUCKET}/manifests")), new_job_id()
+    first = tmp_path / "first"
+    sync = AttemptSync(store, job_id=job, job_dir=first, keep=2, wait_s=1)
+    for step in (100, 200, 300):
+        checkpoint(first, step)
+        assert sync.upload_newest() == f"step_{step:08d}"
+    assert [k.rsplit("/", 1)[1] for _, k in sync._manifests()] == ["step_00000200.json", "step_00000300.json"]
+    assert not store.list(checkpoint_key(job, "step_00000100"))  # its files went with its manifest
+    # An upload cut off before its manifest: every file there, no manifest. It never becomes the latest.
+    half = checkpoint(first, 400)
+    upload_tree(store, first / "checkpoints", half.name, lambda rel: checkpoint_key(job, half.name, rel))
+    assert store.head(checkpoint_key(job, half.name, "COMPLETE")) is not None
+    second = tmp_path / "second"
+    resumed = AttemptSync(store, job_id=job, job_dir=second, keep=2, wait_s=1)
+    assert resumed.restore() is None
+    restored = second / "checkpoints" / "step_00000300"
+    assert sorted(p.relative_to(restored).as_posix() for p in restored.rglob("*") if p.is_file()) == \
+        ["COMPLETE", "__0_0.distcp", "sub/trainer.json"]
+    assert (restored / "__0_0.distcp").read_bytes() == (first / "checkpoints/step_00000300/__0_0.distcp").read_bytes()
+    assert not (second / "checkpoints" / "step_00000400").exists()
+    # A local checkpoint without COMPLETE is never uploaded either (nor the one just fetched, again).
+    checkpoint(second, 500, complete=False)
+    assert resumed.upload_newest() is None
+
+
+class FlakyStore(DirectoryStore):
+    """A store that is down for its first `down` uploads (an outage during training), then back."""
+
+    def __init__(self, root: Path, down: int):
+        super().__init__(root)
+        self.down = down
+
+    def put_file(self, key, file):
+        if self.down > 0:
+            self.down -= 1
+            raise StoreUnavailable(f"the store {self.url} is unreachable (upload {key}): connection refused")
+        super().put_file(key, file)
+
+
+def test_a_store_down_while_the_ranks_train_gets_the_checkpoint_once_it_is_back(tmp_path):
+    store, job = FlakyStore(tmp_path / "store", down=3), new_job_id()
+    (tmp_path / "store").mkdir()
+    sync = AttemptSync(store, job_id=job, job_dir=tmp_path / "job", keep=2, wait_s=10)
+    sync.start()  # the background thread: it meets the outage, backs off, tries again
+    checkpoint(tmp_path / "job", 100)
+    try:
+        wait_for(lambda: sync.stored_step == 100, 20, what="the checkpoint stored after the outage")
+    finally:
+        assert sync.finish(succeeded=True) is None
+    assert sync.newest_manifest()["files"] == {"COMPLETE": 2, "__0_0.distcp": 1100, "sub/trainer.json": 13}
+
+
+def test_a_link_planted_among_artifacts_is_not_uploaded(s3_endpoint, tmp_path):
+    store, job = open_store(Settings(storage_url=f"s3://{BUCKET}/links")), new_job_id()
+    artifacts = tmp_path / "job" / "artifacts"
+    artifacts.mkdir(parents=True)
+    (artifacts / "model.pt").write_bytes(b"weights")
+    (artifacts / "secret").symlink_to("/etc/hostname")
+    (artifacts / "dir").symlink_to("/etc", target_is_directory=True)
+    assert AttemptSync(store, job_id=job, job_dir=tmp_path / "job", keep=2, wait_s=1).upload_artifacts() == 1
+    assert [o.key for o in store.list(artifact_key(job))] == [artifact_key(job, "model.pt")]
+
+
+def test_a_store_out_of_reach_fails_a_succeeded_attempt_naming_it_after_the_bounded_wait(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    for key, value in AWS.items():
+        monkeypatch.setenv(key, value)
+    store = open_store(Settings(storage_url="s3://nowhere/x", store_timeout_s=0.5))
+    (tmp_path / "job" / "artifacts").mkdir(parents=True)
+    (tmp_path / "job" / "artifacts" / "model.pt").write_bytes(b"w")
+    sync = AttemptSync(store, job_id=new_job_id(), job_dir=tmp_path / "job", keep=2, wait_s=1)
+    assert sync.finish(succeeded=False) is None  # a failed attempt stays failed for its own reason
+    error = sync.finish(succeeded=True)
+    assert error["type"] == "store_unavailable" and "s3://nowhere/x" in error["message"]
+
+
+def test_the_worker_and_the_api_refuse_to_start_on_a_missing_bucket(s3_endpoint, tmp_path):
+    env = {**os.environ, "TRAINJOBS_STORAGE_URL": "s3://no-such-bucket/p", "TRAINJOBS_DATA_DIR": str(tmp_path),
+           "TRAINJOBS_AUTH": "off", "TRAINJOBS_SANDBOX": "off"}
+    with pytest.raises(StoreUnavailable, match="s3://no-such-bucket/p"):
+        open_store(Settings(storage_url="s3://no-such-bucket/p")).check()
+    worker = subprocess.run([sys.executable, "-m", "worker.main"], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert worker.returncode != 0 and "trainjobs worker: the store s3://no-such-bucket/p" in worker.stderr
+    assert "there is no bucket 'no-such-bucket'" in worker.stderr
+    api = subprocess.run([sys.executable, "-m", "uvicorn", "service.api.asgi:app", "--port", str(free_port())],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert api.returncode != 0 and "trainjobs api: the store s3://no-such-bucket/p" in api.stderr
+
+
+def test_no_aws_variable_reaches_a_job():
+    env = {"PATH": "/bin", **AWS, "AWS_ENDPOINT_URL": "http://x", "TRAINJOBS_STORAGE_URL": "s3://b/p"}
+    assert sandbox.job_env(Settings(), env) == {"PATH": "/bin"}
+
+
+def test_a_job_killed_with_its_worker_resumes_on_another_from_the_store(s3_endpoint, postgres_url, tmp_path):
+    dirs = {n: tmp_path / n for n in ("worker-a", "worker-b", "api")}
+    url = f"s3://{BUCKET}/e2e"
+    with live_stack(postgres_url, tmp_path / "data", name="store", workers=0, storage_url=url,
+                    storage_dir=dirs["api"], lease_s=4.0, heartbeat_s=0.5, sweep_s=0.5, store_wait_s=30) as stack:
+        (first,) = stack.add_workers(1, env={"TRAINJOBS_STORAGE_DIR": str(dirs["worker-a"])})
+        api = stack.client(timeout=10)
+        spec = mlp_spec(name="store-resume", max_retries=1,
+                        data={"type": "synthetic_regression", "num_samples": 4096, "batch_size": 16},
+                        train={"max_steps": 2000, "log_every": 100, "checkpoint_every": 300, "keep_checkpoints": 2})
+        job_id = api.post("/v1/jobs", json=spec).json()["id"]
+        store, sync = open_store(stack.settings), None
+        sync = AttemptSync(store, job_id=job_id, job_dir=tmp_path / "probe", keep=2, wait_s=1)
+        wait_for(lambda: (m := sync.newest_manifest()) and m["step"] >= 600, 90, what="a checkpoint in the store")
+        ranks = processes_of(job_id)
+        assert ranks and not any(k.startswith("AWS_") or k == "TRAINJOBS_STORAGE_URL" for p in ranks
+                                 for k in p.environ())  # no credentials in the job's sandbox
+        tree = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
+        for proc in tree:  # kill -9 of the worker, its work-horse, torchrun and the ranks: the machine is gone
+            proc.kill()
+        psutil.wait_procs(tree, timeout=10)
+        stored_step = sync.newest_manifest()["step"]
+        subprocess.run(["rm", "-rf", str(dirs["worker-a"])], check=True)  # its disk with it
+
+        stack.add_workers(1, env={"TRAINJOBS_STORAGE_DIR": str(dirs["worker-b"])})
+        job = wait_terminal(api, job_id, timeout=120)
+        assert job["status"] == "succeeded", job["error"]
+        lost, second = api.get(f"/v1/jobs/{job_id}/attempts").json()["data"]
+        assert lost["status"] == "lost" and second["status"] == "succeeded"
+        assert second["resumed_from_step"] >= stored_step > 0
+        assert (dirs["worker-b"] / "jobs" / job_id / "checkpoints").is_dir()
+
+        # The API's own storage dir holds nothing of the job: its artifacts come from the store.
+        assert not (dirs["api"] / "jobs" / job_id).exists()
+        listed = api.get(f"/v1/jobs/{job_id}/artifacts").json()
+        assert "model.pt" in [a["name"] for a in listed["data"]]
+        got = api.get(f"/v1/jobs/{job_id}/artifacts/model.pt")
+        assert got.status_code == 200
+        assert got.content == (dirs["worker-b"] / "jobs" / job_id / "artifacts" / "model.pt").read_bytes()
+        assert api.get(f"/v1/jobs/{job_id}/artifacts/..%2F..%2Fsecret").status_code in (404, 422)
+        assert len(store.list(manifest_key(job_id))) == 2  # retention: the last keep_checkpoints
+        api.close()
