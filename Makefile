@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[worker,dev,docs]'
+	$(PY) -m pip install -q -e '.[worker,dev,docs,frameworks]'
 	touch $(STAMP)
 
 demo: $(STAMP)

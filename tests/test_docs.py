@@ -184,6 +184,6 @@ def test_the_readme_quick_start_is_what_the_makefile_does():
     assert "examples/ddp-mlp.json" in demo and "examples/ddp-mlp.json" in block
     torch = re.search(r"^TORCH\s+\?=\s*(\S+)", MAKEFILE, re.M).group(1)
     assert f'make TORCH="{torch} --index-url' in README
-    assert "pip install -q -e '.[worker,dev,docs]'" in MAKEFILE
-    assert "`worker`, `dev` and `docs` extras" in README
+    assert "pip install -q -e '.[worker,dev,docs,frameworks]'" in MAKEFILE
+    assert "`worker`, `dev`, `docs` and `frameworks` extras" in README
     assert "scripts/ensure-services.sh" in MAKEFILE.split("\nservices:", 1)[1].split("\n\n")[0]  # "makes sure ... up"
