@@ -19,8 +19,8 @@ def test_up_on_sqlite_with_embedded_redis_runs_a_job_and_stops_everything(tmp_pa
     env = dict(os.environ, TRAINJOBS_DATA_DIR=str(tmp_path / "data"),
                TRAINJOBS_REDIS_URL=f"redis://127.0.0.1:{redis_port}/0")
     env.pop("TRAINJOBS_DATABASE_URL", None)
-    up = subprocess.Popen([sys.executable, "-m", "service.cli", "up", "--port", str(api_port)], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen([sys.executable, "-m", "service.cli", "up", "--port", str(api_port), "--allow-entrypoints"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         api = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=10)
 
@@ -46,6 +46,8 @@ def test_up_on_sqlite_with_embedded_redis_runs_a_job_and_stops_everything(tmp_pa
         job = api.post("/v1/jobs", json=mlp_spec(resources={"nproc_per_node": 1},
                                                  train={"max_steps": 5, "log_every": 1})).json()
         assert wait_terminal(api, job["id"])["status"] == "succeeded"
+        [worker] = api.get("/v1/workers").json()["items"]  # --allow-entrypoints: its worker runs users' code
+        assert worker["labels"]["trainjobs.io/entrypoints"] == "true" and worker["max_jobs"] == worker["slots"]
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
     finally:
@@ -53,6 +55,7 @@ def test_up_on_sqlite_with_embedded_redis_runs_a_job_and_stops_everything(tmp_pa
             up.kill()
         output = up.stdout.read()
     assert "Ctrl-C stops everything" in output and token in output  # printed once, on the first start
+    assert "users' own code (trainjobs run, entrypoint specs): allowed, in the sandbox" in output
     gone = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert gone == [], output
     with socket.socket() as s:  # the embedded Redis is down with the rest

@@ -577,6 +577,12 @@ class Supervisor:
 
     def _outcome(self, exit_code: int | None, stop_reason: str | None, killed: list[int]) -> Outcome:
         if stop_reason == "cancelled":
+            # A sweep's early stop read before the last steps were (a trial of seconds: its stop raced its end), yet
+            # the ranks ended on their own with their summary: the work is done, and a finished trial is kept.
+            held = self.lease.held
+            if (held is not None and held.stopped_early and exit_code == 0 and self._work_done()
+                    and self.metrics.summary is not None):
+                return Outcome(JobStatus.SUCCEEDED, exit_code, summary=self.metrics.summary)
             return Outcome(JobStatus.CANCELLED, exit_code, killed_pids=killed)
         if stop_reason == "timeout":
             error = {"type": ErrorType.TIMEOUT, "message": f"job ran past timeout_s={self.spec.timeout_s:g}",

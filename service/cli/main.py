@@ -173,6 +173,8 @@ def cmd_up(args, settings: Settings) -> int:
     from service.undumpable import make_undumpable
 
     make_undumpable()  # the ranks descend from this process: they must not read the new admin token from it
+    if args.allow_entrypoints:
+        settings = settings.model_copy(update={"allow_entrypoints": True})
     stack = Stack(settings, host=args.host, port=args.port, workers=args.workers, api_workers=args.api_workers)
     try:
         stack.start()
@@ -181,6 +183,9 @@ def cmd_up(args, settings: Settings) -> int:
         raise
     console.print(f"trainjobs up: API {stack.api_url}, {args.workers} worker(s), "
                   f"database {settings.resolved_database_url}. Ctrl-C stops everything.")
+    console.print("users' own code (trainjobs run, entrypoint specs): " + (
+        "allowed, in the sandbox" if settings.allow_entrypoints else
+        "off; start with `trainjobs up --allow-entrypoints` to allow it"), soft_wrap=True)
     if stack.new_admin_token:
         console.print(f"admin token (saved to {settings.admin_token_file}, mode 0600; the CLI reads it "
                       f"there):\n{stack.new_admin_token}", soft_wrap=True)
@@ -253,9 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainjobs", description="Run PyTorch training jobs as a service.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="API + workers (+ Redis if none is reachable) on one machine")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--workers", type=int, default=1)
+    up.add_argument("--host", default="127.0.0.1", help="the API's address (default 127.0.0.1)")
+    up.add_argument("--port", type=int, default=8000, help="the API's port (default 8000)")
+    up.add_argument("--workers", type=int, default=1,
+                    help="worker processes (default 1; each runs as many jobs at once as its slots fit)")
+    up.add_argument("--allow-entrypoints", action="store_true",
+                    help="let jobs run their users' own code (trainjobs run, entrypoint specs), in the sandbox: "
+                         "TRAINJOBS_ALLOW_ENTRYPOINTS=1")
     up.add_argument("--api-workers", type=int, default=1, choices=range(1, 65), metavar="N",
                     help="API processes (default 1)")
     up.set_defaults(local=cmd_up)
@@ -418,7 +427,10 @@ def main(argv: list[str] | None = None, client: Client | None = None) -> int:
     except httpx.TransportError as exc:
         where = "its URL" if settings is None else settings.api_url + (f" (from {settings.url_from})" if remote else "")
         console.print(Text.assemble(("error:", "red"), f" cannot reach the API at {where} ({exc}); "
-                                                       "is `trainjobs up` running?"), soft_wrap=True)
+                                                       "is `trainjobs up` running? Started with --port N: "
+                                                       "`trainjobs login http://127.0.0.1:N --token-file "
+                                                       "trainjobs-data-secrets/admin.token`, or set "
+                                                       "TRAINJOBS_API_URL"), soft_wrap=True)
         return 2
     except (OSError, ValueError, RuntimeError) as exc:
         console.print(Text.assemble(("error:", "red"), f" {exc}"), soft_wrap=True)
