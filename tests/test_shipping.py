@@ -15,6 +15,7 @@ from service.jobs import service as jobs
 from service.jobs.models import Attempt
 from service.logs import service as logs
 from service.metrics import service as metrics
+from service.settings import Settings
 from tests.conftest import mlp_spec
 from trainjobs.runenv import RUN_TAG_ENV
 from trainjobs.spec import JobSpec
@@ -267,3 +268,21 @@ def test_a_worker_cut_off_from_the_database_stops_its_ranks_once_its_lease_runs_
     assert "could not renew its lease" in outcome.error["message"]
     assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get(RUN_TAG_ENV) == sup.tag]
     engine.dispose()
+
+
+def test_a_stopped_early_trial_whose_ranks_ended_on_their_own_with_a_summary_succeeds(tmp_path):
+    """A sweep's stop read before the supervisor had read the last steps (a trial of seconds): the ranks ended on
+    their own, exit 0, with their summary: the work is done and the trial is kept (the new-user walkthrough's
+    `cancelled (stopped_early)` at 300/300 steps). A stop that cut the work short stays a cancel."""
+    spec = JobSpec.model_validate(mlp_spec(train={"max_steps": 300, "log_every": 10}))
+    sup = Supervisor(sessions=None, settings=Settings(data_dir=tmp_path), job_id="j", attempt=1, spec=spec,
+                     run_dir=tmp_path)
+    sup.lease.held = lifecycle.Held(cancel_requested=True, progress_step=290, stopped_early=True)
+    sup.metrics.last_step, sup.metrics.summary = 299, {"final_loss": 0.1}
+    done = sup._outcome(0, "cancelled", [])
+    assert done.status == JobStatus.SUCCEEDED and done.summary == {"final_loss": 0.1}
+    sup.metrics.last_step = 150  # stopped halfway: its ranks were stopped, not done
+    assert sup._outcome(0, "cancelled", []).status == JobStatus.CANCELLED
+    sup.metrics.last_step = 299
+    sup.lease.held = lifecycle.Held(cancel_requested=True, progress_step=290)  # the user's cancel: always a cancel
+    assert sup._outcome(0, "cancelled", []).status == JobStatus.CANCELLED
