@@ -69,3 +69,7 @@ def test_a_job_no_live_worker_could_run_is_refused_naming_what_none_has_unless_i
     assert waits.status_code == 201 and waits.json()["status"] == "queued"
     fits = client.post("/v1/jobs", json=mlp_spec(resources={"nproc_per_node": 1}))
     assert fits.status_code == 201
+    # A gang of more nodes than workers that fit: one node per worker, so it could never start on this pool.
+    pair = client.post("/v1/jobs", json=mlp_spec(resources={"nnodes": 2, "nproc_per_node": 1, "device": "cpu"}))
+    assert pair.status_code == 422 and pair.json()["field"] == "resources.nnodes", pair.text
+    assert pair.json()["detail"].startswith("needs 2 nodes; 1 live worker(s) fit one (w1)")

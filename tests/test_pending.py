@@ -85,7 +85,7 @@ def test_pending_reason_says_why_no_live_worker_takes_a_job(settings):
             db.refresh(job)
         assert four.pending_reason == "no live worker fits (w1: 1 slot(s), needs 4; w2: 1 slot(s), needs 4)"
         assert zoned.pending_reason.startswith("no live worker fits (w1: lacks label(s) zone=b")
-        assert gang.pending_reason == "needs 3 nodes that fit, 2 live worker(s) do ()"
+        assert gang.pending_reason == "needs 3 nodes that fit, 2 live worker(s) do (1 more needed: one node per worker)"
         assert ok.pending_reason is None  # a free worker fits: it is about to run
         db.execute(update(Worker).where(Worker.id == "w1").values(
             last_seen=utcnow() - timedelta(seconds=settings.lease_s + 1)))  # w1 is lost: it no longer counts

@@ -84,7 +84,9 @@ def pending_reason(need: Need, live: Sequence[Offer], *, busy: set[str] = frozen
         misses = "; ".join(f"{w.id}: {m}" for w in live if (m := misfit(need, w)))[:400]
         if need.nodes == 1:
             return f"no live worker fits ({misses})"
-        return f"needs {need.nodes} nodes that fit, {len(fit)} live worker(s) do ({misses})"
+        # Every live worker may fit, the pool being too small: then say how many more are needed, not "()".
+        why = misses or f"{need.nodes - len(fit)} more needed: one node per worker"
+        return f"needs {need.nodes} nodes that fit, {len(fit)} live worker(s) do ({why})"
     free = [w for w in fit if w.id not in busy]
     if len(free) < need.nodes:
         return f"waiting for a free worker: {len(fit)} fit, {len(fit) - len(free)} busy"

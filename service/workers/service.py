@@ -135,8 +135,13 @@ def check_schedulable(spec: JobSpec, *, live_workers: Sequence[Worker]) -> None:
     skips this for a submission that says it will wait for such a worker."""
     live = [w for w in live_workers if w.state != "draining"]
     need = fit.need_of(spec, None)  # (the memory plan has its own 422)
-    if not live or any(fit.misfit(need, w) is None for w in live):
+    fitting = [w for w in live if fit.misfit(need, w) is None]
+    if not live or len(fitting) >= need.nodes:
         return
+    if fitting:  # a gang of more nodes than the pool has workers that fit: each node is one worker
+        raise InvalidRequest(f"needs {need.nodes} nodes; {len(fitting)} live worker(s) fit one "
+                             f"({', '.join(sorted(w.id for w in fitting))[:300]})" + WAIT_HINT,
+                             field="resources.nnodes")
     if need.entrypoint and not any((w.labels or {}).get(fit.ENTRYPOINTS_LABEL) == "true" for w in live):
         raise Forbidden("no live worker runs users' own code: an operator starts workers with "
                         "TRAINJOBS_ALLOW_ENTRYPOINTS=1" + WAIT_HINT, field="entrypoint")
