@@ -5,6 +5,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -96,6 +97,7 @@ class Stack:
                             "--timeout-keep-alive", str(KEEP_ALIVE_S)])
         self.add_workers(self.workers)
         self._wait_ready()
+        self._wait_workers()
 
     def _admin_token(self) -> str | None:
         """The admin token of the admin token file (in the secrets dir), made (and written) on a first start."""
@@ -201,6 +203,31 @@ class Stack:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"the API at {self.api_url} did not become ready in {timeout:.0f}s: {why}")
+
+    def _wait_workers(self, timeout: float = 60) -> None:
+        """Until every worker started here is in the workers table: a job submitted at once is then judged against
+        the whole pool (a gang of two is refused while only one of two workers has registered). Best effort: a
+        worker still starting after `timeout` is only logged; one that died fails the stack (check_alive)."""
+        names = {os.environ.get("TRAINJOBS_WORKER_NAME") or f"{socket.gethostname()}-{p.pid}"
+                 for n, p in self.procs if n.startswith("worker")}
+        if not names:
+            return
+        from sqlalchemy import func, select
+
+        from service.workers.models import Worker
+
+        engine = make_engine(self.settings.resolved_database_url)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                self.check_alive()
+                with make_sessionmaker(engine)() as db:
+                    if db.scalar(select(func.count()).where(Worker.id.in_(names))) >= len(names):
+                        return
+                time.sleep(0.2)
+            log.warning("not every worker registered within %.0fs; going on", timeout)
+        finally:
+            engine.dispose()
 
     def check_alive(self) -> None:
         for name, proc in self.procs:
