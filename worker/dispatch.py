@@ -119,11 +119,15 @@ class Chooser:
         """
         keys = {e: parse_node_task_id(e) for e in entry_ids}
         rows = jobs.dispatch_view(db, job_ids={k[0] for k in keys.values() if k})
+        # A node of a gang is a machine: a shared worker that runs one node of a job takes no other node of it.
+        here = {job for job, _ in holds.held(db, worker_id=self.offer.id).values()} if self.shared else set()
         stale, chosen = [], []
         for entry, key in keys.items():
             row = rows.get(key[0]) if key else None
             if row is None or row.status != JobStatus.STARTING or row.attempt != key[1]:
                 stale.append(entry)
+            elif key[0] in here:
+                continue
             elif fit.misfit(need := fit.need_of(row.spec, row.plan), self.offer) is None:
                 self.node_slots[entry] = need.slots
                 chosen.append(entry)
