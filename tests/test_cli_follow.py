@@ -288,3 +288,36 @@ def test_logs_follow_asks_the_stream_for_no_points(stack, db):
     assert returncode == 0 and json.loads(out)["text"] == "done\n", out
     assert b"/events?metrics=none HTTP/1.1" in bytes(proxy.up)
     assert [k for c in proxy.events_sent() for _i, k, _d in c if k == "metrics"] == []
+
+
+def test_follow_without_a_terminal_prints_each_change_of_status_and_why_it_waits():
+    """CI logs, a file, a pipe: no live bar is drawn there, so a waiting job's reason must still be said."""
+    import io
+
+    from rich.console import Console
+
+    from service.cli.follow import follow_events
+    from trainjobs.client import Event
+
+    class Stub:
+        def __init__(self):
+            self.job = {"id": "j1", "name": "tiny", "status": "queued", "pending_reason": None,
+                        "progress": {"step": 0, "total_steps": 10}}
+
+        def get(self, job_id):
+            return self.job
+
+        def follow_events(self, job_id, metrics="new"):
+            why = "waiting for a free worker: 1 fit, 1 busy"
+            yield Event("status", {"status": "queued", "pending_reason": why}, "1")
+            yield Event("progress", {"step": 0, "total_steps": 10}, "2")  # no change of status: no line
+            yield Event("status", {"status": "running"}, "3")
+            yield Event("progress", {"step": 10, "total_steps": 10}, "4")
+            self.job = {**self.job, "status": "succeeded"}
+            yield Event("status", {"status": "succeeded"}, "5")
+
+    out = io.StringIO()
+    follow_events(Stub(), "j1", Console(file=out, width=200))
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("tiny j1: ")]
+    assert lines == ["tiny j1: 0/10 queued", "tiny j1: 0/10 queued: waiting for a free worker: 1 fit, 1 busy",
+                     "tiny j1: 0/10 running", "tiny j1: 10/10 succeeded"], out.getvalue()

@@ -109,13 +109,22 @@ def follow_events(client: Client, job_id: str, console: Console | None, *, outpu
                BarColumn(), TextColumn("{task.fields[steps]}"), TextColumn("{task.fields[status]}"),
                TextColumn("{task.fields[loss]}"), TextColumn("{task.fields[speed]}"), TextColumn("{task.fields[eta]}"))
     offset = 0  # of the output printed so far
+    # Not a terminal (CI logs, a file, a pipe): no live bar is drawn, so each change of status (and of why a queued
+    # job waits) is a line of its own.
+    plain, said = not console.is_terminal, None
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(job["name"], **view.fields())
-        for event in client.follow_events(job_id, metrics="new"):
-            view.apply(event)
-            if output and (event.kind == "logs" or (event.kind == "status" and event.data["status"] in EXIT_CODES)):
+        for event in [None, *client.follow_events(job_id, metrics="new")]:
+            if event is not None:
+                view.apply(event)
+            if output and event is not None and (
+                    event.kind == "logs" or (event.kind == "status" and event.data["status"] in EXIT_CODES)):
                 offset = print_output(client, job_id, offset, node_rank, bar.console)
-            bar.update(task, **view.fields())
+            fields = view.fields()
+            bar.update(task, **fields)
+            if plain and fields["status"] != said:
+                said = fields["status"]
+                bar.console.print(Text(f"{job['name']} {job_id}: {fields['steps']} {said}"), soft_wrap=True)
     return client.get(job_id)
 
 
