@@ -321,3 +321,16 @@ def test_follow_without_a_terminal_prints_each_change_of_status_and_why_it_waits
     lines = [line for line in out.getvalue().splitlines() if line.startswith("tiny j1: ")]
     assert lines == ["tiny j1: 0/10 queued", "tiny j1: 0/10 queued: waiting for a free worker: 1 fit, 1 busy",
                      "tiny j1: 0/10 running", "tiny j1: 10/10 succeeded"], out.getvalue()
+
+
+def test_the_outcome_shows_a_missing_summary_value_as_a_dash_not_python_none():
+    import io
+
+    from rich.console import Console
+
+    from service.cli.follow import print_outcome
+
+    out = io.StringIO()
+    job = {"id": "j1", "status": "succeeded", "summary": {"final_loss": 0.25, "resumed_from_step": None}}
+    assert print_outcome(job, Console(file=out, width=120)) == 0
+    assert "None" not in out.getvalue() and "resumed_from_step" in out.getvalue() and "0.25" in out.getvalue()

@@ -146,7 +146,8 @@ def print_outcome(job: dict, console: Console) -> int:
     if job.get("summary"):
         table = Table("metric", "value", title="summary")
         for key, value in job["summary"].items():
-            table.add_row(Text(key), Text(f"{value:.6g}" if isinstance(value, float) else str(value)))
+            shown = f"{value:.6g}" if isinstance(value, float) else "-" if value is None else str(value)
+            table.add_row(Text(key), Text(shown))
         console.print(table)
     if job.get("error"):
         err = job["error"]
