@@ -70,7 +70,9 @@ def test_a_light_user_goes_before_a_heavy_users_backlog(stack, api):
 
 
 def test_a_high_job_preempts_a_low_one_which_resumes_from_its_checkpoint(stack, api, postgres_url):
-    low = api.post("/v1/jobs", json=small("low", steps=4000, priority="low", timeout_s=300)).json()["id"]
+    # 3 ms a step (a pinned 1-rank MLP steps in ~1 ms: it could end before the preemption reached it).
+    low = api.post("/v1/jobs", json=small("low", steps=4000, priority="low", timeout_s=300,
+                                          fault_injection={"sleep_per_step_s": 0.003, "rank": 0})).json()["id"]
     wait_for(lambda: (api.get(f"/v1/jobs/{low}").json()["progress"] or {}).get("step", 0) >= 50, 120,
              interval=0.1, what="the low job to train")
     high = api.post("/v1/jobs", json=small("high", priority="high")).json()["id"]
