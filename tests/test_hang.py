@@ -89,7 +89,9 @@ def test_report_keeps_the_job_running_and_records_the_hang(api, stack, postgres_
 
 
 def test_stacks_of_a_healthy_job_on_demand_leave_it_as_an_undisturbed_run(api, stack):
-    spec = mlp_spec(name="asked", train={"max_steps": 1000, "log_every": 50, "seed": 0})
+    # 5 ms a step, so the job still runs when its stacks are taken (it ended first once, in CI: no ranks to dump).
+    spec = mlp_spec(name="asked", train={"max_steps": 1000, "log_every": 50, "seed": 0},
+                    fault_injection={"sleep_per_step_s": 0.005, "rank": 0})
     job_id = api.post("/v1/jobs", json=spec).json()["id"]
     wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["progress"]["step"] >= 50, 60, what="training")
     answer = api.post(f"/v1/jobs/{job_id}/stacks")
