@@ -6,11 +6,12 @@ what the supervisor sends the built-in runtime's ranks on a hand-back; the rank 
 goes back to the queue without spending a retry). A rank only sets a flag in the handler. Ranks that stopped at
 different steps would hang in the next gradient all-reduce, so, as the built-in runtime does
 (worker/train/preempt.py), the ranks all-reduce (MAX) the flag: started asynchronously at one check and read at the
-next, checks about CHECK_EVERY_S of training apart, so no step waits on it. torch is imported only here, once the
-framework has imported it.
+next, checks about CHECK_EVERY_S of training apart, so no step waits on it. torch is never imported here: the
+framework's, from sys.modules.
 """
 
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -42,10 +43,11 @@ class StopOnSignal:
         ours = [sig for sig in signals if signal.getsignal(sig) in free[sig]]
         if not ours:
             return False
-        import torch
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # NOTE: the torch the framework loaded, never imported here: the public package stays torch-free
+        # (DESIGN.md layers), and a framework whose hooks run has torch in sys.modules already.
+        torch, dist = sys.modules.get("torch"), sys.modules.get("torch.distributed")
+        if (torch is not None and dist is not None and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() > 1):
             self._dist = dist
             # NOTE: a gloo group of its own, on CPU tensors: on CUDA the flag never forces a device sync.
             self._group = dist.new_group(backend="gloo")
