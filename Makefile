@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test print-test-workers print-test-redis-password-file up services lint bench clean docs docs-build
+.PHONY: demo test print-test-workers print-test-redis-password-file up services lint bench clean docs docs-build screenshots
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test: $(STAMP) services
 	$(PY) -m pytest -n $(TEST_WORKERS) -m "not alone"; parallel=$$?; \
 	$(PY) -m pytest -m alone; alone=$$?; \
 	[ $$parallel = 0 ] && [ $$alone = 0 ]
+
+# The dashboard's pictures in the docs (docs/images/), taken by the browser test that drives it, so they show what
+# the code draws today: a live stack, headless Chromium, the jobs list, a job's page, the queue and the workers.
+screenshots: $(STAMP) services
+	export TRAINJOBS_TEST_REDIS_URL="$${TRAINJOBS_TEST_REDIS_URL:-redis://:$$(cat $(TEST_REDIS_PASSWORD_FILE))@127.0.0.1:6380/15}"; \
+	TRAINJOBS_SCREENSHOTS=docs/images $(PY) -m pytest -q tests/test_dashboard.py -k "running_job_live or queue_page"
 
 print-test-workers:
 	@echo $(TEST_WORKERS)

@@ -1,5 +1,6 @@
 """Settings, read from the environment with the TRAINJOBS_ prefix."""
 
+import ipaddress
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -23,6 +24,9 @@ class Settings(BaseSettings):
     store_timeout_s: float = Field(20.0, gt=0, description="one request to the store: connect and read timeout")
     store_wait_s: float = Field(300.0, ge=0, description="at an attempt's end, how long the worker retries storing "
                                 "its last checkpoint and artifacts before the job fails naming the store")
+    store_presigned_urls: bool = Field(False, description="an artifact download answers 307 to a presigned URL of "
+                                       "the store (the client must reach it) instead of streaming through the API")
+    store_presign_ttl_s: int = Field(300, ge=1, le=7 * 86400, description="how long a presigned URL is good")
     scripts_dir: Path | None = None  # entrypoint scripts are resolved inside it; default: data_dir/scripts
     allow_entrypoints: bool = False  # a worker runs users' own code only when told to
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -210,10 +214,18 @@ def get_settings() -> Settings:
     return Settings()
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback: what auth off may serve."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_bind(settings: Settings, host: str) -> None:
     """Auth off is for one user on one machine: refuse to serve it on anything but loopback."""
-    from service.auth.deps import is_loopback
-
     if not settings.auth and not is_loopback(host):
         raise SystemExit(f"TRAINJOBS_AUTH=off serves loopback only; refusing to listen on {host} "
                          "(bind 127.0.0.1, or turn auth on and use tokens)")

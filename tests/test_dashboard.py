@@ -1,9 +1,12 @@
 """The dashboard in a real browser: headless Debian Chromium, driven by Playwright, against a live stack.
 
 Chromium is the system one (`apt-get install chromium`; .ci/run installs it), never `playwright install`.
-Screenshots land in test-artifacts/ at the repository root.
+Screenshots land in test-artifacts/ at the repository root. With TRAINJOBS_SCREENSHOTS=<folder> (`make screenshots`:
+docs/images) the tests that walk the jobs list, a job's page, the queue and the workers also save the pictures the
+docs show, so the docs show what the code draws today.
 """
 
+import os
 import re
 import shutil
 from datetime import timedelta
@@ -24,6 +27,8 @@ from tests.test_auth import make_token
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+DOCS_SHOTS = os.environ.get("TRAINJOBS_SCREENSHOTS")
+DOCS_VIEWPORT = {"width": 1200, "height": 750}  # small enough for a page of the docs, PNGs well under 200 KB
 # A user's error message that looks like markup: the page must show it as text, never run it.
 HOSTILE = '<img src=x onerror="window.__pwned = 1"><b>bad batch</b>'
 
@@ -84,6 +89,19 @@ def page(browser, stack, request) -> Page:
     assert errors == [], f"JavaScript errors on the page: {errors}"
 
 
+def shoot_for_docs(page: Page, name: str) -> None:
+    """With TRAINJOBS_SCREENSHOTS set, save what the page shows now as <folder>/<name>.png at the docs' size."""
+    if not DOCS_SHOTS:
+        return
+    folder = Path(DOCS_SHOTS)
+    folder.mkdir(parents=True, exist_ok=True)
+    size = page.viewport_size
+    page.set_viewport_size(DOCS_VIEWPORT)
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=folder / f"{name}.png", animations="disabled")
+    page.set_viewport_size(size)
+
+
 def rows(page: Page):
     return page.locator("#jobs-table tbody tr")
 
@@ -100,6 +118,7 @@ def test_jobs_table_lists_jobs_newest_first_filters_by_status_and_shows_user_tex
     expect(rows(page).nth(0)).to_contain_text("dash-running")  # newest first
     expect(rows(page).nth(1)).to_contain_text("dash-failed")
     expect(rows(page).nth(1)).to_contain_text("failed")
+    listed_colour = rows(page).nth(1).locator(".progress .fill").evaluate("e => getComputedStyle(e).backgroundColor")
     expect(rows(page).nth(0).locator("td").nth(5)).to_have_text("1×2")  # nnodes × nproc_per_node
 
     page.click("#status-filter button[data-status=failed]")
@@ -112,6 +131,8 @@ def test_jobs_table_lists_jobs_newest_first_filters_by_status_and_shows_user_tex
 
     page.click("text=dash-failed")
     expect(page.locator("#job-status")).to_have_text("failed")
+    # The job page paints the failed job's bar as the list does (issue 36: it was blue there, red in the list).
+    assert page.locator("#job-bar").evaluate("e => getComputedStyle(e).backgroundColor") == listed_colour
     expect(page.locator("#job-error")).to_contain_text(HOSTILE)  # shown literally...
     expect(page.locator("#job-warnings")).to_have_text(f"straggler: rank 1 is slow {HOSTILE}")
     expect(page.locator("#job-stacks-box")).to_be_hidden()  # no dump was taken
@@ -130,6 +151,8 @@ def test_jobs_table_lists_jobs_newest_first_filters_by_status_and_shows_user_tex
 def test_job_page_follows_a_running_job_live_and_cancels_it(page, api, jobs):
     job_id = jobs["running"]
     wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["status"] == "running", 90, what="the job to run")
+    expect(rows(page).filter(has_text="dash-running")).to_contain_text("running")
+    shoot_for_docs(page, "dashboard-jobs")
     # The workers page shows what GET /v1/workers says about the one worker.
     page.click("header nav a[data-nav=workers]")
     (shown,) = api.get("/v1/workers").json()["items"]
@@ -144,6 +167,7 @@ def test_job_page_follows_a_running_job_live_and_cancels_it(page, api, jobs):
     expect(worker.nth(8)).to_have_text(" ".join(shown["jobs"]) or shown["current_job"] or "idle")
     expect(worker.nth(9)).to_contain_text("ago")
     page.screenshot(path=ARTIFACTS / "dashboard-workers.png")
+    shoot_for_docs(page, "dashboard-workers")
 
     page.click("header nav a[data-nav=jobs]")
     page.click("text=dash-running")
@@ -160,6 +184,7 @@ def test_job_page_follows_a_running_job_live_and_cancels_it(page, api, jobs):
     expect(page.locator("#log-state")).to_have_text("(following)")
     expect(page.locator("#plan-table")).to_contain_text("per device")
     expect(page.locator("#job-spec")).to_contain_text('"dash-running"')
+    shoot_for_docs(page, "dashboard-job")
 
     asked = api.post(f"/v1/jobs/{job_id}/stacks", timeout=30)  # every rank's stack, the job left running
     assert asked.status_code == 200, asked.text
@@ -320,6 +345,11 @@ def test_compare_view_overlays_curves_lists_only_differing_spec_fields_and_says_
     expect(page.locator("#compare-metric")).to_have_value("eval_loss")
     expect(page.locator("#compare-chart path.line")).to_have_count(1)
     page.screenshot(path=ARTIFACTS / "dashboard-compare.png", full_page=True)
+    # A finished job's page says how fast it ran (GET /v1/jobs/{id}'s performance); no FLOPs count: no MFU.
+    # The compare view read this job already: the job view's first read is a 304, and it renders all the same.
+    page.evaluate(f"location.hash = '#/jobs/{compared['cmp-c']}'")
+    expect(page.locator("#job-performance")).to_have_text(
+        "Performance: 300 samples/s · MFU unknown (no FLOPs count or an unknown device)")
 
 
 def test_compare_view_follows_a_job_that_has_not_ended(page, api, compared, postgres_url):
@@ -360,6 +390,10 @@ def test_the_queue_page_shows_waiting_jobs_in_start_order_with_their_reasons(pag
         positions = [int(rows.nth(i).locator("td").nth(0).inner_text()) for i in range(2)]
         assert positions[0] < positions[1]
         expect(page.locator("#queue-standing")).to_contain_text("policy fair")
+        shoot_for_docs(page, "dashboard-queue")
+        page.click("header nav a[data-nav=jobs]")  # the jobs list says it on the status (a tooltip)
+        expect(page.locator(f"#jobs-table tr[data-job='{ids[0]}'] td").nth(1)).to_have_attribute(
+            "title", re.compile("^waiting: no live worker fits"))
         page.goto(f"{page.url.split('#')[0]}#/jobs/{ids[0]}")  # the job's own page says why it waits, too
         expect(page.locator("#job-pending")).to_contain_text("waiting: no live worker fits")
     finally:

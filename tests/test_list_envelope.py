@@ -34,3 +34,28 @@ def test_the_openapi_schema_marks_the_old_data_deprecated(client):
                  "AttemptsPublic", "TrialsPublic"):
         props = schemas.get(f"{name}-Output", schemas.get(name))["properties"]
         assert "items" in props and props["data"].get("deprecated") is True, (name, props.get("data"))
+
+
+def test_sweeps_page_as_jobs_do_and_a_foreign_cursor_is_a_422_naming_it(client):
+    """One keyset helper (service/lists.py) pages every list: the cursor is the last id of the page before."""
+    body = {"spec": mlp_spec(), "parameters": {"optimizer.lr": {"values": [0.01]}}, "method": "grid",
+            "metric": {"name": "loss", "goal": "minimize"}}
+    ids = [client.post("/v1/sweeps", json={**body, "name": f"s{i}"}).json()["id"] for i in range(3)]
+    page1 = client.get("/v1/sweeps", params={"limit": 2}).json()
+    assert [s["id"] for s in page1["items"]] == ids[::-1][:2] and page1["next_cursor"] == ids[1]
+    page2 = client.get("/v1/sweeps", params={"limit": 2, "cursor": page1["next_cursor"]}).json()
+    assert [s["id"] for s in page2["items"]] == ids[:1] and page2["next_cursor"] is None
+    for path in ("/v1/jobs", "/v1/sweeps"):
+        refused = client.get(path, params={"cursor": "not-a-cursor"})
+        assert refused.status_code == 422 and "cursor" in refused.text, (path, refused.text)
+
+
+def test_a_webhooks_deliveries_page_before_an_id(client):
+    hook = client.post("/v1/webhooks", json={"url": "http://127.0.0.1:9/hook", "events": ["job.cancelled"]}).json()
+    for i in range(3):  # a queued job cancelled is cancelled at once: one delivery each
+        job = client.post("/v1/jobs", json=mlp_spec(name=f"d{i}")).json()
+        assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+    newest = client.get(f"/v1/webhooks/{hook['id']}/deliveries", params={"limit": 2}).json()["items"]
+    assert len(newest) == 2 and newest[0]["id"] > newest[1]["id"]
+    rest = client.get(f"/v1/webhooks/{hook['id']}/deliveries", params={"before": newest[1]["id"]}).json()["items"]
+    assert len(rest) == 1 and rest[0]["id"] < newest[1]["id"]

@@ -5,11 +5,11 @@ from datetime import timedelta
 from sqlalchemy import select, update
 
 from service.db import make_engine, make_sessionmaker, utcnow
-from service.jobs import queue
+from service.jobs import pending, queue
 from service.jobs import service as jobs
 from service.jobs.models import Job, JobEvent
 from service.scheduling import service as scheduling
-from service.workers import fit, pending
+from service.workers import fit
 from service.workers import service as workers
 from service.workers.models import Worker
 from tests.conftest import QUEUE_PREFIX, mlp_spec

@@ -20,8 +20,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import INT64_MAX
 from service.auth.deps import JobIdDep
+from service.deps import INT64_MAX
 from service.errors import InvalidRequest, responses
 from service.jobs import service as jobs
 from service.logs.models import LogChunk
@@ -43,7 +43,7 @@ class Snapshot:
     cursor: int  # after `series`
     series: list[dict]  # the next batch of points: at most BATCH_ROWS rows
     more: bool  # the batch was full: more rows may wait after the cursor
-    pending_reason: str | None = None  # while queued: why no worker has taken it
+    pending_reason: str | None = None  # while queued: why no worker has taken it; while starting: what it does
 
 
 def read_metrics_after(db: Session, *, job_id: str, cursor: int, limit: int) -> tuple[int, list[dict], int]:
@@ -76,7 +76,8 @@ def poll(factory: sessionmaker[Session], job_id: str, cursor: int, with_metrics:
     with factory() as db:
         job = jobs.get(db, job_id=job_id)
         snapshot = Snapshot(status=job.status, progress=dict(job.progress or {}),
-                            pending_reason=job.pending_reason if job.status == JobStatus.QUEUED else None,
+                            pending_reason=job.pending_reason if job.status in (JobStatus.QUEUED, JobStatus.STARTING)
+                            else None,
                             log_end=read_log_end(db, job_id=job_id), cursor=cursor, series=[], more=False)
         if with_metrics:
             # NOTE: one attempt at a time ships a job's series (node 0's: the other nodes of a gang ship theirs

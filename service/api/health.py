@@ -10,8 +10,9 @@ from sqlalchemy import false, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from service.api.deps import RedisDep, SessionDep, SettingsDep
 from service.auth.models import ApiToken
+from service.deps import RedisDep, SessionDep, SettingsDep
+from service.jobs import queue
 from service.settings import Settings
 
 router = APIRouter(tags=["health"])
@@ -31,12 +32,15 @@ def healthz() -> dict:
 @router.get("/readyz")
 def readyz(db: SessionDep, redis: RedisDep, settings: SettingsDep, response: Response) -> dict:
     """200 when the database reads and accepts writes, Redis answers and the folders have space; else 503 with
-    `failed` naming each check that did not pass."""
+    `failed` naming each check that did not pass. `warnings`: what works but is wrong (another stack's jobs in
+    this stack's queues)."""
     checks = {"database": check_database(db), "redis": check_redis(redis)}
     failed = {name: result for name, result in checks.items() if result != "ok"}
     failed |= check_free_space(settings)
     response.status_code = 503 if failed else 200
-    return {"status": "not ready" if failed else "ready", "checks": checks, "failed": failed}
+    warnings = [said] if checks["redis"] == "ok" and (said := queue.shared_warning(
+        redis, prefix=settings.queue_prefix)) else []
+    return {"status": "not ready" if failed else "ready", "checks": checks, "failed": failed, "warnings": warnings}
 
 
 def check_database(db: Session) -> str:

@@ -2,7 +2,7 @@
 
 from fastapi import APIRouter
 
-from service.api.deps import SessionDep, SettingsDep
+from service.deps import SessionDep, SettingsDep
 from service.errors import responses
 from service.jobs import service
 from service.workers import service as worker_rows

@@ -15,11 +15,10 @@ from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE, utcnow
-from service.jobs import counts, lifecycle, queue, retention
+from service.jobs import counts, lifecycle, pending, queue, retention
 from service.scheduling import service as scheduling
 from service.settings import Settings
 from service.sweeps import controller as sweeps
-from service.workers import pending
 from service.workers import service as workers
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,5 @@
 """The caller of every /v1 route: a bearer token's principal, and the jobs that principal may see."""
 
-import ipaddress
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -10,6 +9,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.auth.tokens import ADMIN_USER, Principal, authenticate, hash_secret
 from service.errors import Forbidden, JobNotFound, TrainjobsError
 from service.jobs.models import Job
+from service.settings import is_loopback
 
 # With TRAINJOBS_AUTH=off (one user on one machine, loopback only) everyone is this principal.
 LOCAL_ADMIN = Principal(user=ADMIN_USER, role="admin", token_id=None, can_run_entrypoints=True)
@@ -21,15 +21,6 @@ class Unauthorized(TrainjobsError):
 
     def __init__(self, message: str):
         super().__init__(message, field="Authorization")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def host_name(header: str) -> str:
@@ -96,7 +87,7 @@ AdminDep = Annotated[Principal, Depends(admin_only)]
 
 def visible_job(db: Session, *, job_id: str, principal: Principal) -> Row:
     """The job's (owner, status, version) if the caller may see it, in one indexed read; someone else's job is
-    a 404, as if it did not exist. The version is the ETag of its read (service/api/etag.py)."""
+    a 404, as if it did not exist. The version is the ETag of its read (service/jobs/etag.py)."""
     row = (db.execute(select(Job.owner, Job.status, Job.version).where(Job.id == job_id)).first()
            if len(job_id) <= 64 else None)
     if row is None or not (principal.is_admin or row.owner == principal.user):

@@ -6,10 +6,10 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from service.api.deps import SessionDep
 from service.auth import tokens
 from service.auth.deps import AdminDep, PrincipalDep
 from service.db import utcnow
+from service.deps import SessionDep
 from service.errors import responses
 from service.lists import Listing
 

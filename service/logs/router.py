@@ -3,8 +3,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
-from service.api.deps import INT32_MAX, SessionDep
 from service.auth.deps import PrincipalDep, visible_job
+from service.deps import INT32_MAX, SessionDep
 from service.errors import responses
 from service.logs import service
 

@@ -10,9 +10,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import INT32_MAX
 from service.auth.deps import PrincipalDep, visible_job
 from service.auth.tokens import Principal
+from service.deps import INT32_MAX
 from service.errors import JobNotFound, responses
 from service.metrics import service
 from service.metrics.charts import ChartKey

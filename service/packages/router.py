@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import SessionDep, SettingsDep
 from service.auth.deps import PrincipalDep
+from service.deps import SessionDep, SettingsDep
 from service.errors import Forbidden, responses
 from service.lists import Listing
 from service.packages import service

@@ -7,9 +7,9 @@ from fastapi import APIRouter, Path
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
-from service.api.deps import SessionDep, SettingsDep
 from service.auth.deps import AdminDep, PrincipalDep
 from service.auth.models import User
+from service.deps import SessionDep, SettingsDep
 from service.errors import NotFound, responses
 from service.jobs.models import Job
 from service.lists import Listing

@@ -1,4 +1,5 @@
-"""The fair pool's reads and writes: the snapshot the policy plans on, usage folded in, preemptions asked for.
+"""The fair pool's reads and its usage: the snapshot the policy plans on, usage folded in (what a plan writes on
+the jobs, pending reasons and preemption asks, is service/jobs/pending.py's).
 
 The policy (policy.py) is pure; this module turns rows into its snapshot. Usage is kept per owner as decayed
 device-seconds of closed attempts (`usage`, folded in by the sweeper, one writer), plus the running attempts'
@@ -10,13 +11,12 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.auth.models import User
 from service.db import utcnow
 from service.jobs.models import Attempt, Job
-from service.jobs.service import record_event
 from service.scheduling import policy
 from service.scheduling.models import Team, Usage
 from service.settings import Settings
@@ -183,38 +183,3 @@ def fold_usage(db: Session, *, half_life_s: float, batch: int = FOLD_BATCH) -> i
             row.as_of = now
     db.execute(update(Attempt).where(Attempt.id.in_([r.id for r in rows])).values(charged=True))
     return len(rows)
-
-
-def request_preemption(db: Session, p: policy.Preemption) -> bool:
-    """Ask a running job to hand its workers back (its supervisor reads it on its next renewal). The caller
-    commits; False when it no longer runs or was asked already."""
-    done = db.execute(update(Job).where(Job.id == p.victim, Job.status == JobStatus.RUNNING,
-                                        Job.preempt_requested_at.is_(None))
-                      .values(preempt_requested_at=utcnow(), preempt_detail=p.detail)).rowcount == 1
-    if done:
-        record_event(db, job_id=p.victim, kind="preempt_requested", detail=p.detail)
-        log.info("job %s: %s", p.victim, p.detail)
-    return done
-
-
-def apply(db: Session, plan: policy.Plan) -> tuple[int, int]:
-    """The sweeper's part of a plan: each queued job's pending_reason, and the preemptions. The caller commits."""
-    reasons = {p.job_id: p.reason for p in plan.order}
-    changed = 0
-    if reasons:
-        # The reasons stored now, of the queued jobs the snapshot planned (the same query: no IN of 2,000 ids); one
-        # queued since is missing here and keeps its reason until the next pass.
-        current = dict(db.execute(select(Job.id, Job.pending_reason).where(Job.status == JobStatus.QUEUED)
-                                  .order_by(Job.created_at, Job.id).limit(MAX_WAITING)).all())
-        changes = []
-        for job_id, reason in reasons.items():
-            if reason is not None:
-                reason = reason[:1000]
-            if current.get(job_id, reason) != reason:
-                changes.append({"b_job": job_id, "b_reason": reason})
-        if changes:  # one statement, executed for each (a burst of submissions: hundreds of new reasons a pass)
-            jobs = Job.__table__
-            changed = db.execute(update(jobs).where(jobs.c.id == bindparam("b_job"), jobs.c.status == JobStatus.QUEUED)
-                                 .values(pending_reason=bindparam("b_reason")), changes).rowcount
-    preempted = sum(request_preemption(db, p) for p in plan.preemptions)
-    return changed, preempted

@@ -4,11 +4,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from service.api.deps import RedisDep, SessionDep, SettingsDep
 from service.auth.deps import PrincipalDep
 from service.auth.limits import check_submission
+from service.deps import RedisDep, SessionDep, SettingsDep
 from service.errors import InvalidTransition, responses
 from service.jobs import lifecycle
+from service.lists import CursorQuery
 from service.sweeps import controller, service
 from service.sweeps.schemas import SweepPublic, SweepsPublic, TrialPublic, TrialsPublic
 from trainjobs import sweep as sweeps
@@ -45,7 +46,7 @@ def list_sweeps(
     status: SweepStatus | None = None,
     owner: Annotated[str | None, Query(max_length=64, description="admins only; users see their own")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-    cursor: Annotated[str | None, Query(pattern=r"^[0-9a-f]{20}$", description="the last page's next_cursor")] = None,
+    cursor: CursorQuery = None,
 ):
     owner = owner if principal.is_admin else principal.user
     rows, next_cursor = service.list_page(db, owner=owner, status=status, limit=limit, cursor=cursor)

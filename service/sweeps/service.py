@@ -9,8 +9,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
-from service.errors import InvalidRequest, NotFound
+from service.errors import NotFound
 from service.jobs.models import Job
+from service.lists import newest_first, page_of
 from service.metrics.models import MetricBlock
 from service.sweeps.models import Sweep
 from trainjobs.paths import is_job_id, new_job_id
@@ -51,17 +52,12 @@ def visible(db: Session, *, sweep_id: str, principal) -> Sweep:
 def list_page(db: Session, *, owner: str | None, status: SweepStatus | None, limit: int,
               cursor: str | None) -> tuple[list[Sweep], str | None]:
     """A page of sweeps, newest first; the cursor is the last one's id."""
-    if cursor is not None and not is_job_id(cursor):
-        raise InvalidRequest("cursor is not a value this API returned", field="cursor")
-    query = select(Sweep).order_by(Sweep.id.desc()).limit(limit + 1)
+    query = newest_first(select(Sweep), Sweep.id, cursor=cursor, limit=limit)
     if owner is not None:
         query = query.where(Sweep.owner == owner)
     if status is not None:
         query = query.where(Sweep.status == status)
-    if cursor is not None:
-        query = query.where(Sweep.id < cursor)
-    rows = list(db.scalars(query))
-    return rows[:limit], rows[limit - 1].id if len(rows) > limit else None
+    return page_of(db.scalars(query).all(), limit=limit)
 
 
 @dataclass

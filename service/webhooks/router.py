@@ -5,8 +5,8 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query
 
-from service.api.deps import INT64_MAX, SessionDep, SettingsDep
 from service.auth.deps import PrincipalDep
+from service.deps import INT64_MAX, SessionDep, SettingsDep
 from service.errors import responses
 from service.webhooks import allow, delivery, outbox, service
 from service.webhooks.models import Delivery

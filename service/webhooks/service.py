@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 from service.auth.tokens import Principal
 from service.db import utcnow
 from service.errors import Forbidden, NotFound
+from service.lists import newest_first, page_of
 from service.webhooks import allow, outbox
 from service.webhooks.models import Delivery, Webhook
 from service.webhooks.schemas import WebhookCreate
@@ -60,12 +61,11 @@ def deliveries(db: Session, *, webhook_id: str, principal: Principal, status: st
                limit: int = 50, before: int | None = None) -> list[Delivery]:
     """The webhook's outbox rows, newest first (`before`: an id, for the next page)."""
     hook = get(db, webhook_id=webhook_id, principal=principal)
-    query = select(Delivery).where(Delivery.webhook_id == hook.id).order_by(Delivery.id.desc()).limit(limit)
+    query = newest_first(select(Delivery).where(Delivery.webhook_id == hook.id), Delivery.id, cursor=before,
+                         limit=limit)
     if status is not None:
         query = query.where(Delivery.status == status)
-    if before is not None:
-        query = query.where(Delivery.id < before)
-    return list(db.scalars(query))
+    return page_of(db.scalars(query).all(), limit=limit)[0]
 
 
 def add_test(db: Session, *, hook: Webhook, by: str, hold_s: float) -> outbox.Claimed:

@@ -2,9 +2,9 @@
 
 from fastapi import APIRouter
 
-from service.api.deps import SessionDep, SettingsDep
 from service.auth.deps import PrincipalDep
 from service.db import utcnow
+from service.deps import SessionDep, SettingsDep
 from service.jobs import service as jobs
 from service.workers import holds, service
 from service.workers.schemas import WorkerPublic, WorkersPublic

@@ -1,4 +1,5 @@
-"""Annotated dependency aliases that keep routes to a few lines."""
+"""The dependencies every router shares: the request's session, Redis and settings as `Annotated` aliases, and the
+largest integers a request may carry. A bottom module: it imports no domain, no router and not the app."""
 
 from collections.abc import AsyncIterator
 from typing import Annotated

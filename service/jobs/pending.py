@@ -1,12 +1,14 @@
-"""What the sweeper writes about queued jobs: why each one waits (from the scheduler's plan), the preemptions the plan
-asks for, and priority aging so `low` never starves."""
+"""What the sweeper writes on the jobs from the scheduler's plan: why each queued job waits (`pending_reason`), the
+preemptions the plan asks of running jobs, and priority aging so `low` never starves. Each write is a
+compare-and-set on the job's status (and, for aging, its priority and queue time); the plan itself is
+service/scheduling's, which writes no job row."""
 
 import logging
 from collections.abc import MutableMapping
 from datetime import timedelta
 
 from redis import Redis
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
@@ -28,8 +30,43 @@ def explain(db: Session, settings: Settings, cache: MutableMapping[str, scheduli
     pending_reason (None once it is about to start) and the preemptions. The caller commits; `cache` is the
     caller's, kept between passes (scheduling.snapshot)."""
     plan = policy.plan(scheduling.snapshot(db, settings, cache=cache))
-    scheduling.apply(db, plan)
+    apply(db, plan)
     return plan
+
+
+def request_preemption(db: Session, p: policy.Preemption) -> bool:
+    """Ask a running job to hand its workers back (its supervisor reads it on its next renewal). The caller
+    commits; False when it no longer runs or was asked already."""
+    done = db.execute(update(Job).where(Job.id == p.victim, Job.status == JobStatus.RUNNING,
+                                        Job.preempt_requested_at.is_(None))
+                      .values(preempt_requested_at=utcnow(), preempt_detail=p.detail)).rowcount == 1
+    if done:
+        jobs.record_event(db, job_id=p.victim, kind="preempt_requested", detail=p.detail)
+        log.info("job %s: %s", p.victim, p.detail)
+    return done
+
+
+def apply(db: Session, plan: policy.Plan) -> tuple[int, int]:
+    """The sweeper's part of a plan: each queued job's pending_reason, and the preemptions. The caller commits."""
+    reasons = {p.job_id: p.reason for p in plan.order}
+    changed = 0
+    if reasons:
+        # The reasons stored now, of the queued jobs the snapshot planned (the same query: no IN of 2,000 ids); one
+        # queued since is missing here and keeps its reason until the next pass.
+        current = dict(db.execute(select(Job.id, Job.pending_reason).where(Job.status == JobStatus.QUEUED)
+                                  .order_by(Job.created_at, Job.id).limit(scheduling.MAX_WAITING)).all())
+        changes = []
+        for job_id, reason in reasons.items():
+            if reason is not None:
+                reason = reason[:1000]
+            if current.get(job_id, reason) != reason:
+                changes.append({"b_job": job_id, "b_reason": reason})
+        if changes:  # one statement, executed for each (a burst of submissions: hundreds of new reasons a pass)
+            jobs = Job.__table__
+            changed = db.execute(update(jobs).where(jobs.c.id == bindparam("b_job"), jobs.c.status == JobStatus.QUEUED)
+                                 .values(pending_reason=bindparam("b_reason")), changes).rowcount
+    preempted = sum(request_preemption(db, p) for p in plan.preemptions)
+    return changed, preempted
 
 
 def age(db: Session, redis: Redis, *, prefix: str, aging_s: float) -> list[str]:
