@@ -334,3 +334,21 @@ def test_the_outcome_shows_a_missing_summary_value_as_a_dash_not_python_none():
     job = {"id": "j1", "status": "succeeded", "summary": {"final_loss": 0.25, "resumed_from_step": None}}
     assert print_outcome(job, Console(file=out, width=120)) == 0
     assert "None" not in out.getvalue() and "resumed_from_step" in out.getvalue() and "0.25" in out.getvalue()
+
+
+def test_submit_follow_and_status_say_why_a_real_queued_job_waits(stack, db, spec_file):
+    """No worker in this stack: the sweeper writes the job's pending_reason; the follower (no terminal: a line per
+    change) and `trainjobs status` both say it."""
+    proc, job_id = submit(stack, spec_file, "--follow")
+    with stack.client() as api:
+        wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["pending_reason"], 20, what="a pending reason")
+        reason = api.get(f"/v1/jobs/{job_id}").json()["pending_reason"]
+        status = subprocess.run([sys.executable, "-m", "service.cli", "status", job_id[:14]], capture_output=True,
+                                text=True, env={**os.environ, "TRAINJOBS_API_URL": stack.api_url, "COLUMNS": "160",
+                                                **({"TRAINJOBS_TOKEN": stack.token} if stack.token else {})})
+        threading.Event().wait(1)  # the follower's event stream carries the reason within a poll
+        api.post(f"/v1/jobs/{job_id}/cancel")
+    returncode, out = finish(proc)
+    assert reason.startswith("no live worker"), reason
+    assert returncode == 130 and f"followed {job_id}: 0/20 queued: {reason}" in out, out
+    assert status.returncode == 0 and re.search(rf"waiting\s+│?\s*{re.escape(reason)}", status.stdout), status.stdout

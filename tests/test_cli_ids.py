@@ -111,3 +111,20 @@ def test_cancel_with_json_prints_the_job_for_one_and_a_list_for_several(client, 
 def test_cancel_needs_jobs_or_a_filter(client, capsys):
     out, _ = run(client, capsys, "cancel", code=2)
     assert "name the jobs to cancel" in out
+
+
+def test_sweep_commands_take_a_unique_prefix_or_the_exact_name(client, capsys):
+    from tests.test_sweeps import sweep_body
+
+    made = [client.post("/v1/sweeps", json=sweep_body(name=name)).json()["id"] for name in ("lr-a", "lr-b")]
+    prefix = unique_prefix(made[0], [made[1]])
+    out, _ = run(client, capsys, "sweep-status", prefix, "--json")
+    assert json.loads(out)["id"] == made[0]
+    out, _ = run(client, capsys, "list", "--sweep", "lr-b", "--json")
+    assert {job["sweep_id"] for job in json.loads(out)["items"]} == {made[1]}
+    out, _ = run(client, capsys, "sweep-cancel", "lr-b")
+    assert f"sweep {made[1]} (lr-b): cancelled" in out
+    out, _ = run(client, capsys, "sweep-status", made[0][:4], code=2)  # both made within seconds: 4 digits shared
+    assert f"'{made[0][:4]}' matches 2 sweeps" in out and made[1] in out
+    out, _ = run(client, capsys, "sweep-cancel", "no-such-sweep", code=2)
+    assert "no sweep matches 'no-such-sweep'" in out and "`trainjobs sweeps` shows them" in out

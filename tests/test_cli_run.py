@@ -47,3 +47,35 @@ def test_dry_run_prints_the_spec_and_sends_nothing(capsys, monkeypatch):
     monkeypatch.setenv("TRAINJOBS_API_URL", "http://127.0.0.1:9")  # nothing listens: a request would fail
     assert cli.main(["run", "--no-workdir", "--dry-run", "--", "train.py", "--lr", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["entrypoint"] == {"script": "train.py", "args": ["--lr", "1"]}
+
+
+def test_a_spec_the_pool_refuses_is_refused_before_the_folder_is_uploaded(client, settings, capsys, tmp_path,
+                                                                          monkeypatch):
+    from service.db import make_engine, make_sessionmaker
+    from tests.test_pending import add_worker
+    from trainjobs.client import Client
+
+    monkeypatch.setenv("TRAINJOBS_CONFIG", str(tmp_path / "config.toml"))
+    engine = make_engine(settings.database_url)
+    with make_sessionmaker(engine)() as db:
+        add_worker(db, "closed", slots=2)  # runs no users' own code
+        db.commit()
+    engine.dispose()
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    api = Client("http://testserver")
+    api.http = client  # the TestClient is an httpx.Client on the app, with the admin token
+    argv = ["run", "--workdir", str(tmp_path), "--", "train.py"]
+    assert cli.main(argv, client=api) == 2
+    out = capsys.readouterr()
+    assert out.out.startswith("error: HTTP 403: entrypoint: no live worker runs users' own code") and \
+        "uploaded" not in out.err, out
+    assert client.get("/v1/packages").json()["count"] == 0  # nothing was sent
+    assert client.get("/v1/jobs").json()["items"] == []
+    dry = client.post("/v1/jobs:validate", json={"entrypoint": {"script": "train.py"}},
+                      params={"allow_unschedulable": "true"})
+    assert dry.status_code == 200 and dry.json()["entrypoint"]["script"] == "train.py", dry.text
+    assert client.get("/v1/jobs").json()["items"] == []  # a dry submit makes no job
+    # Told it will wait for such a worker, it is taken (a script the workers have: the TestClient uploads nothing).
+    assert cli.main(["run", "--no-workdir", "--allow-unschedulable", "--", "train.py"], client=api) == 0
+    [job] = client.get("/v1/jobs").json()["items"]
+    assert job["status"] == "queued" and f"submitted {job['id']}" in capsys.readouterr().out

@@ -60,7 +60,8 @@ def test_rank_that_raises_fails_the_job_naming_rank_and_exception(api):
     assert error["message"] == "bad batch on purpose"
     assert "bad batch on purpose" in error["traceback"]
     # Failed within 10 s of the raise (torchrun's error file stamps it, in whole seconds).
-    assert datetime.fromisoformat(job["finished_at"]).timestamp() - error["raised_at"] < 10
+    raised_at = datetime.fromisoformat(error["raised_at"])  # ISO 8601, as every time the API gives
+    assert (datetime.fromisoformat(job["finished_at"]) - raised_at).total_seconds() < 10
     assert processes_of(job["id"]) == []
 
 

@@ -131,7 +131,8 @@ class _SlowIndex(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_cancel_while_pip_installs_stops_pip_and_cancels_the_job(stack):
+def test_cancel_while_pip_installs_stops_pip_and_cancels_the_job(stack, tmp_path):
+    """And while pip runs, the starting job says so."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -147,6 +148,11 @@ def test_cancel_while_pip_installs_stops_pip_and_cancels_the_job(stack):
                      what="the build to start")
             envs = (stack.settings.data_dir / "envs").resolve()
             pip = wait_for(lambda: pip_processes(envs), 30, what="pip to run")
+            # What the starting job does is said where a user looks: the API, and `trainjobs status`.
+            job = api.get(f"/v1/jobs/{job_id}").json()
+            assert (job["status"], job["pending_reason"]) == ("starting", "installing 1 requirement(s)"), job
+            shown = cli(stack, tmp_path, "status", job_id)
+            assert "starting" in shown.stdout and "installing 1 requirement(s)" in shown.stdout, shown.stdout
             time.sleep(1)  # pip is downloading from the index that never answers
             asked = time.monotonic()
             assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 200

@@ -48,9 +48,10 @@ def retry_reason(exc: Exception) -> str:
 class APIError(Exception):
     """What the API answered with a 4xx or 5xx: `status` and its `detail` (a message, or pydantic's field errors)."""
 
-    def __init__(self, status: int, detail):
-        super().__init__(f"HTTP {status}: {format_detail(detail)}")
-        self.status, self.detail = status, detail
+    def __init__(self, status: int, detail, field: str | None = None):
+        at = f"{field}: " if field and isinstance(detail, str) and not detail.startswith(field) else ""
+        super().__init__(f"HTTP {status}: {at}{format_detail(detail)}")
+        self.status, self.detail, self.field = status, detail, field
 
 
 @dataclass(frozen=True)
@@ -98,10 +99,11 @@ def raise_for_status(response: httpx.Response) -> httpx.Response:
     if response.status_code >= 400:
         response.read()  # a streamed response's body
         try:
-            detail = response.json().get("detail")
+            body = response.json()
+            detail, field = body.get("detail"), body.get("field")
         except ValueError:
-            detail = response.text
-        raise APIError(response.status_code, detail)
+            detail, field = response.text, None
+        raise APIError(response.status_code, detail, field if isinstance(field, str) else None)
     return response
 
 
@@ -288,6 +290,7 @@ class Client:
         if workdir is not None:
             if not isinstance(spec.get("entrypoint"), dict):
                 raise ValueError("submit(workdir=...) ships code for an entrypoint: the spec needs 'entrypoint'")
+            self.validate(spec, allow_unschedulable=allow_unschedulable)  # a spec refused costs no upload
             spec = {**spec, "entrypoint": {**spec["entrypoint"], "package": self.upload_package(workdir)}}
         headers = {"Idempotency-Key": f"cli-{uuid.uuid4()}"}
         for attempt in range(1, attempts + 1):
@@ -299,6 +302,12 @@ class Client:
                     raise
                 time.sleep(0.5 * attempt)
         raise AssertionError("unreachable")
+
+    def validate(self, spec: dict, *, allow_unschedulable: bool = False) -> dict:
+        """A dry submit (POST /v1/jobs:validate): the spec as a job would run it, or the APIError a submission
+        would get; no job is made and the package (entrypoint.package) is not looked for."""
+        params = {"allow_unschedulable": "true"} if allow_unschedulable else {}
+        return self._call("POST", "/v1/jobs:validate", json=spec, params=params).json()
 
     def plan(self, spec: dict) -> dict:
         return self._call("POST", "/v1/plan", json=spec).json()
@@ -340,8 +349,9 @@ class Client:
         """The sweep: its status, trial counts and best trial so far."""
         return self._call("GET", f"/v1/sweeps/{sweep_id}").json()
 
-    def sweeps(self, status: str | None = None, limit: int = 20) -> dict:
-        params = {"limit": limit} | ({"status": status} if status else {})
+    def sweeps(self, status: str | None = None, limit: int = 20, *, cursor: str | None = None) -> dict:
+        """A page of sweeps, newest first; `cursor`: the last page's next_cursor (the sweeps with smaller ids)."""
+        params = {"limit": limit} | ({"status": status} if status else {}) | ({"cursor": cursor} if cursor else {})
         return self._call("GET", "/v1/sweeps", params=params).json()
 
     def trials(self, sweep_id: str) -> "list[dict]":

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from datetime import UTC, datetime
 from pathlib import Path
 
 from trainjobs.states import ErrorType
@@ -46,7 +47,12 @@ def root_cause(run_dir: Path, exit_code: int | None, *, excerpt: str, entrypoint
     if nproc is not None:
         where["local_rank"] = local_rank
     return {"type": kind or "Error", "message": text or message, "rank": rank, "exit_code": exit_code,
-            "traceback": stack[-4000:], "excerpt": excerpt, "raised_at": raised_at or None, **where}
+            "traceback": stack[-4000:], "excerpt": excerpt, "raised_at": _iso(raised_at), **where}
+
+
+def _iso(epoch_s: int) -> str | None:
+    """torchrun's error file stamps the raise in whole epoch seconds; the API gives every time as ISO 8601."""
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat() if epoch_s else None
 
 
 # What a write that ran out of space says: the OS's ENOSPC (or a quota), SQLite's, and torch's serialiser, whose

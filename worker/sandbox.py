@@ -23,6 +23,7 @@ network namespaces without a daemon, and as an unprivileged user (so a worker ne
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import zlib
@@ -173,7 +174,7 @@ def command(support: Support, settings: Settings, attempt: Attempt, argv: list[s
     network = attempt.gang or support.network == "host"
     # The private /tmp first: the data dir (or a job's venv in it) may lie under /tmp, and a later mount would
     # hide it; the Python last: a job's venv lies in the data dir's envs/, which the data dir's mounts leave out.
-    mounts = _system_mounts()
+    mounts = _system_mounts() + ([] if network else _offline_names(attempt.run_dir))
     mounts += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--tmpfs",
                "/dev/shm"]
     mounts += _data_mounts(settings, attempt)
@@ -250,6 +251,22 @@ def _system_mounts() -> list[str]:
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
     return args
+
+
+def _offline_names(run_dir: Path) -> list[str]:
+    """A private network has no DNS: names resolve from the hosts file alone, which knows this host and localhost
+    on both families. Else every lookup waits on an unreachable resolver and fails "temporary" (EAI_AGAIN), and
+    c10d warns in every job's log that "the hostname of the client socket cannot be retrieved", which a bare
+    torchrun on the same host never prints."""
+    etc = run_dir / "etc"
+    etc.mkdir(exist_ok=True)
+    host = socket.gethostname()
+    (etc / "hosts").write_text(f"127.0.0.1 localhost {host}\n::1 localhost ip6-localhost {host}\n")
+    (etc / "nsswitch.conf").write_text("hosts: files\n")
+    for name in ("hosts", "nsswitch.conf"):
+        (etc / name).chmod(0o644)
+    return ["--ro-bind", str(etc / "hosts"), "/etc/hosts", "--ro-bind", str(etc / "nsswitch.conf"),
+            "/etc/nsswitch.conf"]
 
 
 def _python_paths(python: str) -> list[str]:
@@ -361,7 +378,8 @@ def default_memory_bytes() -> int:
 class Box:
     """One attempt in its sandbox and cgroup: the command to launch, the preexec_fn, and the teardown."""
 
-    def __init__(self, support: Support, settings: Settings, attempt: Attempt, *, memory_bytes: int | None):
+    def __init__(self, support: Support, settings: Settings, attempt: Attempt, *, memory_bytes: int | None,
+                 cpus: list[int] | None = None):
         self.support, self.settings, self.attempt = support, settings, attempt
         self.cgroup: cgroups.Attempt | None = None
         self.memory_bytes = settings.job_memory_bytes or memory_bytes
@@ -369,7 +387,7 @@ class Box:
             cgroups.sweep_stale()  # an earlier attempt's, whose work-horse was killed before it removed its own
             group = cgroups.Attempt(f"{attempt.job_id}-{attempt.run_dir.name}-{os.getpid()}")
             try:
-                group.create(memory_bytes=self.memory_bytes, pids_max=settings.job_pids_max)
+                group.create(memory_bytes=self.memory_bytes, pids_max=settings.job_pids_max, cpus=cpus)
                 self.cgroup = group
             except OSError:
                 log.exception("could not make the cgroup of %s; running it without limits", attempt.job_id)

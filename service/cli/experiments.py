@@ -4,14 +4,14 @@ artifacts ID [--download NAME]`, `trainjobs download ID [NAME ...] --to DIR`."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from service.cli.follow import exit_code, follow, print_outcome
+from service.cli import tables
+from service.cli.follow import submitted
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
     from trainjobs.client import Client
@@ -36,15 +36,7 @@ def override(text: str) -> tuple[str, object]:
 
 def cmd_resubmit(args, client: Client) -> int:
     job = client.clone(args.job_id, dict(args.set or []))
-    if args.json and not args.follow:
-        print(json.dumps(job, indent=2))
-        return 0
-    if args.json:
-        job = follow(client, job["id"])
-        print(json.dumps(job, indent=2))
-        return exit_code(job)
-    console.print(f"submitted {job['id']} ({job['name']}), cloned from {job['cloned_from']}")
-    return print_outcome(follow(client, job["id"], console), console) if args.follow else 0
+    return submitted(client, job, args, console, note=f", cloned from {job['cloned_from']}")
 
 
 def check_metric_name(client: Client, job_id: str, name: str, answer: dict | None = None) -> None:
@@ -73,20 +65,21 @@ def cmd_metrics(args, client: Client) -> int:
     answer = client.metrics(args.job_id, name=args.name)
     if args.name:
         check_metric_name(client, args.job_id, args.name, answer)
-    if args.json:
-        print(json.dumps(answer, indent=2))
-        return 0
+    return tables.answer(answer, args.json, lambda answer: print_series(args.job_id, answer))
+
+
+def print_series(job_id: str, answer: dict) -> None:
+    """A line a series: plain columns, readable in a terminal and through a pipe."""
     series = [s for s in answer["series"] if s["values"]]
     if not series:
-        console.print(f"job {args.job_id} has no metrics yet")
-        return 0
+        console.print(f"job {job_id} has no metrics yet")
+        return
     width = max([len("metric")] + [len(s["name"]) for s in series])
     console.print(f"{'metric':<{width}}  {'last step':>9}  {'last':>11}  {'min':>11}  {'max':>11}  {'points':>7}")
-    for s in series:  # plain columns: readable in a terminal, and through a pipe
+    for s in series:
         values, steps = s["values"], s["steps"]
         console.print(f"{s['name']:<{width}}  {steps[-1]:>9}  {values[-1]:>11.6g}  {min(values):>11.6g}  "
                       f"{max(values):>11.6g}  {len(values):>7}")
-    return 0
 
 
 def cmd_artifacts(args, client: Client) -> int:
@@ -94,15 +87,13 @@ def cmd_artifacts(args, client: Client) -> int:
         path = client.download(args.job_id, args.download, args.to)
         err.print(f"saved {path}", soft_wrap=True)
         return 0
-    files = client.artifacts(args.job_id)
-    if args.json:
-        print(json.dumps(files, indent=2))
-        return 0
-    if not files:
-        console.print(f"job {args.job_id} has no artifacts (yet)")
-    for f in files:
-        console.print(f"{f['size']:>12}  {f['modified']}  {f['name']}")
-    return 0
+    def show(files: list[dict]) -> None:
+        if not files:
+            console.print(f"job {args.job_id} has no artifacts (yet)")
+        for f in files:
+            console.print(f"{f['size']:>12}  {f['modified']}  {f['name']}")
+
+    return tables.answer(client.artifacts(args.job_id), args.json, show)
 
 
 def cmd_download(args, client: Client) -> int:

@@ -37,7 +37,7 @@ class ProgressView:
     def __init__(self, job: dict):
         progress = job["progress"]
         self.status, self.step, self.total = job["status"], progress["step"], progress["total_steps"]
-        self.pending_reason: str | None = job.get("pending_reason")  # while queued: why it waits
+        self.pending_reason: str | None = job.get("pending_reason")  # why it waits; starting: what it does
         self.eta_s: float | None = progress.get("eta_s")
         self.latest: dict[str, float] = {}  # the last value of each metric
 
@@ -60,7 +60,7 @@ class ProgressView:
         loss = f"loss {self.latest['loss']:.4f}" if "loss" in self.latest else ""
         eta = f"eta {timedelta(seconds=round(self.eta_s))}" if self.eta_s is not None and self.status == "running" \
             else ""
-        status = f"queued: {self.pending_reason}" if self.status == "queued" and self.pending_reason else self.status
+        status = f"{self.status}: {self.pending_reason}" if self.pending_reason else self.status  # queued, starting
         return {"completed": self.step, "total": self.total, "steps": f"{self.step}/{self.total or '?'}",
                 "status": status, "loss": loss, "speed": speed, "eta": eta}
 
@@ -126,6 +126,23 @@ def follow_events(client: Client, job_id: str, console: Console | None, *, outpu
                 said = fields["status"]
                 bar.console.print(Text(f"{job['name']} {job_id}: {fields['steps']} {said}"), soft_wrap=True)
     return client.get(job_id)
+
+
+def submitted(client: Client, job: dict, args, console: Console, note: str = "") -> int:
+    """How submit, run and resubmit end: the job (--json), or a line naming it (and `note`); with --follow, the
+    job followed to its end (its output too, unless --quiet), its outcome, and the outcome's exit code."""
+    from service.cli.tables import answer
+
+    if not args.follow:
+        return answer(job, args.json, lambda job: f"submitted {job['id']} ({job['name']}){note}", to=console)
+    if args.json:  # the finished job, once it has ended
+        job = follow(client, job["id"])
+        answer(job, True)
+        return exit_code(job)
+    console.print(f"submitted {job['id']} ({job['name']}){note}")
+    followed = follow(client, job["id"], console, output=not getattr(args, "quiet", False),
+                      node_rank=getattr(args, "node", 0))
+    return print_outcome(followed, console)
 
 
 def print_output(client: Client, job_id: str, offset: int, node_rank: int, console: Console) -> int:

@@ -1,11 +1,11 @@
 """`trainjobs gc`: finished jobs' logs, metric points, events and folders deleted past an age (jobs/retention.py)."""
 
-import json
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from service.cli import tables
 from service.cli.tokens import parse_duration
 
 if TYPE_CHECKING:  # annotations only: main() hands this command the settings it has loaded
@@ -29,14 +29,12 @@ def cmd_gc(args, settings: "Settings") -> int:
                                      dry_run=args.dry_run)
     finally:
         engine.dispose()
-    if args.json:
-        print(json.dumps({"dry_run": args.dry_run, "older_than_s": older_than.total_seconds(), **done.as_dict()}))
-        return 0
     verb = "would delete" if args.dry_run else "deleted"
-    console.print(f"jobs finished over {older_than} ago: {verb} {done.log_chunks} log chunks, {done.metric_points} "
-                  f"metric points, {done.events} events and {done.folders} folders of {done.jobs} jobs "
-                  "(their rows and metric summaries stay)")
-    return 0
+    return tables.answer({"dry_run": args.dry_run, "older_than_s": older_than.total_seconds(), **done.as_dict()},
+                         args.json, lambda _: f"jobs finished over {older_than} ago: {verb} {done.log_chunks} log "
+                         f"chunks, {done.metric_points} metric points, {done.events} events and {done.folders} "
+                         f"folders of {done.jobs} jobs (their rows and metric summaries stay)", to=console,
+                         indent=None)
 
 
 def register(sub) -> None:

@@ -1,4 +1,4 @@
-"""A job as the user names it: its id, a unique prefix of it (4 characters or more), or its exact name.
+"""A job (or a sweep) as the user names it: its id, a unique prefix of it (4 characters or more), or its exact name.
 
 Resolved here, through the API's list (the jobs the caller may see): ids are ordered, so the jobs whose id
 starts with a prefix are the first page below the next prefix up (`cursor`), newest first; a name is the
@@ -54,24 +54,47 @@ def by_name(client: Client, name: str) -> list[dict]:
     return list(islice((job for job in client.iter_jobs(name=name) if job["name"] == name), SHOWN + 1))
 
 
+SWEEPS_SEARCHED = 200  # the newest sweeps an exact name is looked for among (the API's largest page)
+
+
+def sweeps_by_prefix(client: Client, prefix: str) -> list[dict]:
+    page = client.sweeps(limit=SHOWN + 1, cursor=upper_bound(prefix))
+    return [sweep for sweep in page["items"] if sweep["id"].startswith(prefix)]
+
+
+def sweeps_by_name(client: Client, name: str) -> list[dict]:
+    return [sweep for sweep in client.sweeps(limit=SWEEPS_SEARCHED)["items"] if sweep["name"] == name][:SHOWN + 1]
+
+
 def resolve(client: Client, ref: str) -> str:
     """The id of the one job `ref` names; NoSuchJob or AmbiguousJob (a ValueError: the CLI prints its message)."""
+    return find(ref, by_prefix=lambda p: by_prefix(client, p), by_name=lambda n: by_name(client, n), kind="job",
+                lister="trainjobs list")
+
+
+def resolve_sweep(client: Client, ref: str) -> str:
+    """The id of the one sweep `ref` names (among the newest SWEEPS_SEARCHED, by name), as resolve does for jobs."""
+    return find(ref, by_prefix=lambda p: sweeps_by_prefix(client, p), by_name=lambda n: sweeps_by_name(client, n),
+                kind="sweep", lister="trainjobs sweeps")
+
+
+def find(ref: str, *, by_prefix, by_name, kind: str, lister: str) -> str:
     if len(ref) == JOB_ID_LEN and is_hex(ref):
         return ref  # a whole id: asked of the API as it is (a 404 says if it is not there)
     found: dict[str, dict] = {}
     if len(ref) >= MIN_PREFIX and is_hex(ref):
-        found.update((job["id"], job) for job in by_prefix(client, ref))
-    found.update((job["id"], job) for job in by_name(client, ref))
+        found.update((row["id"], row) for row in by_prefix(ref))
+    found.update((row["id"], row) for row in by_name(ref))
     if len(found) == 1:
         return next(iter(found))
     if not found:
         short = f" (an id prefix needs {MIN_PREFIX} characters or more)" if is_hex(ref) and len(ref) < MIN_PREFIX \
             else ""
-        raise NoSuchJob(f"no job matches {ref!r}{short}: give its id, a unique prefix of it or its exact name "
-                        "(`trainjobs list` shows them)")
-    jobs = sorted(found.values(), key=lambda job: job["id"], reverse=True)
-    lines = [f"  {job['id']}  {job['status']:<9}  {job['created_at'][:19].replace('T', ' ')}  {job['name']}"
-             for job in jobs[:SHOWN]]
-    more = "\n  ... and more" if len(jobs) > SHOWN else ""
-    raise AmbiguousJob(f"{ref!r} matches {'more than ' if more else ''}{min(len(jobs), SHOWN)} jobs; give more of "
-                       "the id:\n" + "\n".join(lines) + more)
+        raise NoSuchJob(f"no {kind} matches {ref!r}{short}: give its id, a unique prefix of it or its exact name "
+                        f"(`{lister}` shows them)")
+    rows = sorted(found.values(), key=lambda row: row["id"], reverse=True)
+    lines = [f"  {row['id']}  {row['status']:<9}  {row['created_at'][:19].replace('T', ' ')}  {row['name']}"
+             for row in rows[:SHOWN]]
+    more = "\n  ... and more" if len(rows) > SHOWN else ""
+    raise AmbiguousJob(f"{ref!r} matches {'more than ' if more else ''}{min(len(rows), SHOWN)} {kind}s; give more "
+                       "of the id:\n" + "\n".join(lines) + more)

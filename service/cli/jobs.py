@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from itertools import islice
@@ -41,6 +40,8 @@ def owner_filter(args, client: Client) -> str | None:
 
 def cmd_list(args, client: Client) -> int:
     owner = owner_filter(args, client)
+    if args.sweep:  # a prefix or a name, as for the sweep commands
+        args.sweep = ids.resolve_sweep(client, args.sweep)
     wanted = None if args.all else args.limit
     found = client.iter_jobs(args.status, name=args.name, tag=args.tag, sweep=args.sweep, owner=owner,
                              page_size=PAGE if wanted is None else min(wanted + 1, PAGE))
@@ -48,8 +49,7 @@ def cmd_list(args, client: Client) -> int:
     more = wanted is not None and len(jobs) > wanted
     jobs = jobs[:wanted]
     if args.json:  # the API's page shape: next_cursor resumes after the last job shown
-        print(json.dumps({"items": jobs, "next_cursor": jobs[-1]["id"] if more else None}, indent=2))
-        return 0
+        return tables.answer({"items": jobs, "next_cursor": jobs[-1]["id"] if more else None}, True)
     if not jobs:
         console.print("no jobs" + (" match" if any((args.status, args.name, args.tag, args.sweep, owner)) else
                                    " yet: `trainjobs submit SPEC` or `trainjobs run -- train.py` makes one"))
@@ -135,7 +135,7 @@ def cmd_cancel(args, client: Client) -> int:
         else:
             console.print(line)
     if args.json:
-        print(json.dumps(done[0] if len(args.job_ids or []) == 1 and done else done, indent=2))
+        tables.answer(done[0] if len(args.job_ids or []) == 1 and done else done, True)
     return 0 if ok else 1
 
 
@@ -146,7 +146,8 @@ def register(sub) -> None:
     ls.add_argument("--all", action="store_true", help="every job that matches, page after page")
     ls.add_argument("--name", help="jobs whose name starts with it")
     ls.add_argument("--tag", help="jobs that carry this tag (spec.tags)")
-    ls.add_argument("--sweep", metavar="SWEEP_ID", help="the trials of this sweep")
+    ls.add_argument("--sweep", metavar="SWEEP", help="the trials of this sweep (its id, a unique prefix "
+                    "or its exact name)")
     ls.add_argument("--mine", action="store_true", help="only your own jobs (an admin sees everyone's)")
     ls.add_argument("--json", action="store_true", help="the jobs as the API returns them: {items, next_cursor}")
     ls.set_defaults(remote=cmd_list)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from service.cli import tables
+
 if TYPE_CHECKING:  # annotations only: httpx loads when a command runs, not for `trainjobs --help`
     from trainjobs.client import Client, Connection
 
@@ -138,15 +140,10 @@ def cmd_logout(args) -> int:
 def cmd_whoami(args, client: Client) -> int:
     me = client.me()
     c = client.connection
-    if args.json:
-        import json
-
-        print(json.dumps({**me, "api_url": c.api_url, "api_url_from": c.url_from, "token_from": c.token_from},
-                         indent=2))
-        return 0
-    console.print(f"{me['user']} (role {me['role']}) at {c.api_url}")
-    console.print(f"  API URL from {c.url_from}; token from {c.token_from or 'nowhere (none sent)'}")
-    return 0
+    return tables.answer({**me, "api_url": c.api_url, "api_url_from": c.url_from, "token_from": c.token_from},
+                         args.json, lambda me: f"{me['user']} (role {me['role']}) at {me['api_url']}\n  API URL "
+                         f"from {me['api_url_from']}; token from {me['token_from'] or 'nowhere (none sent)'}",
+                         to=console)
 
 
 def register(sub) -> None:

@@ -31,7 +31,7 @@ from service.cli import run as run_cli
 from service.cli import sweeps as sweeps_cli
 from service.cli import tokens as auth_cli
 from service.cli import webhooks as webhooks_cli
-from service.cli.follow import exit_code, follow, print_outcome
+from service.cli.follow import follow, print_outcome, submitted
 from trainjobs.states import TERMINAL
 
 if TYPE_CHECKING:  # imported when a command runs (see main): `trainjobs --help` needs neither httpx nor pydantic
@@ -54,41 +54,27 @@ def cmd_submit(args, client: Client) -> int:
     if args.workdir is not None:  # ship the folder: entrypoint.script (or module) is relative to it
         if not isinstance(spec.get("entrypoint"), dict):
             raise ValueError("--workdir ships your code with an entrypoint job: the spec needs an `entrypoint`")
+        client.validate(spec, allow_unschedulable=args.allow_unschedulable)  # a spec refused costs no upload
         spec["entrypoint"]["package"] = run_cli.upload(client, Path(args.workdir))
-    job = client.submit(spec, allow_unschedulable=args.allow_unschedulable)
-    if args.json:  # the submitted job; with --follow, the finished one
-        if not args.follow:
-            return print_json(job)
-        job = follow(client, job["id"])
-        print_json(job)
-        return exit_code(job)
-    console.print(f"submitted {job['id']} ({job['name']})")
-    if not args.follow:
-        return 0
-    return print_outcome(follow(client, job["id"], console, output=not args.quiet, node_rank=args.node), console)
+    return submitted(client, client.submit(spec, allow_unschedulable=args.allow_unschedulable), args, console)
 
 
 def cmd_plan(args, client: Client) -> int:
     """The memory plan of a spec: both estimates per device, against the device's memory, and the choice."""
     plan = client.plan(load_spec(args.file))
-    if args.json:
-        print_json(plan)
-        return 0 if plan["strategy"] else 1
-    console.print(tables.plan_table(plan))
-    console.print(Text.assemble("choice: ", (plan["choice"] or "nothing fits", "bold"), f" ({plan['reason']})"))
+
+    def show(plan: dict) -> None:
+        console.print(tables.plan_table(plan))
+        console.print(Text.assemble("choice: ", (plan["choice"] or "nothing fits", "bold"), f" ({plan['reason']})"))
+
+    tables.answer(plan, args.json, show)
     return 0 if plan["strategy"] else 1
-
-
-def print_json(data) -> int:
-    """Plain JSON on stdout (no rich markup), for scripts and jq."""
-    print(json.dumps(data, indent=2))
-    return 0
 
 
 def cmd_status(args, client: Client) -> int:
     job = client.get(args.job_id)
     if args.json:
-        return print_json(job)
+        return tables.answer(job, True)
     console.print(tables.job_table(job))
     for warning in job.get("warnings") or []:  # a straggler, an idle job: what the on-call looks for first
         console.print(Text.assemble((f"warning ({warning['kind']}):", "yellow"), f" {warning['message']}"))
@@ -111,20 +97,15 @@ def print_stacks(node: dict, *, full: bool) -> None:
 
 
 def cmd_stacks(args, client: Client) -> int:
-    answer = client.stacks(args.job_id)
-    if args.json:
-        return print_json(answer)
-    for node in answer["items"]:
-        print_stacks(node, full=True)
-    return 0
+    def show(answer: dict) -> None:
+        for node in answer["items"]:
+            print_stacks(node, full=True)
+
+    return tables.answer(client.stacks(args.job_id), args.json, show)
 
 
 def cmd_workers(args, client: Client) -> int:
-    page = client.workers()
-    if args.json:
-        return print_json(page)
-    console.print(tables.workers_table(page))
-    return 0
+    return tables.answer(client.workers(), args.json, tables.workers_table, to=console)
 
 
 def cmd_logs(args, client: Client) -> int:
@@ -132,11 +113,11 @@ def cmd_logs(args, client: Client) -> int:
     (JSON lines), or without --follow one object with the offset to resume from and the job's status."""
     if not args.follow:
         text, next_offset, status = client.log_page(args.job_id, node_rank=args.node)
-        if args.json:
-            return print_json({"job_id": args.job_id, "node_rank": args.node, "text": text,
-                               "next_offset": next_offset, "status": status})
-        sys.stdout.write(text)
-        return 0
+        if not args.json:
+            sys.stdout.write(text)  # the output as it is: no table, no console
+            return 0
+        return tables.answer({"job_id": args.job_id, "node_rank": args.node, "text": text,
+                              "next_offset": next_offset, "status": status}, True)
     for text in client.follow_logs(args.job_id, node_rank=args.node):
         sys.stdout.write(json.dumps({"text": text}) + "\n" if args.json else text)
         sys.stdout.flush()
@@ -161,11 +142,8 @@ def cmd_db(args, settings: Settings) -> int:
     except CommandError as exc:  # an unknown revision, or one on the wrong side of the current one
         console.print(f"[red]trainjobs db {args.action}: {exc}")
         return 2
-    revision = migrate.current(url)
-    if args.json:
-        return print_json({"database_url": url, "revision": revision})
-    console.print(f"database at revision {revision}: {url}")
-    return 0
+    return tables.answer({"database_url": url, "revision": migrate.current(url)}, args.json,
+                         lambda db: f"database at revision {db['revision']}: {db['database_url']}", to=console)
 
 
 def cmd_up(args, settings: Settings) -> int:
@@ -416,6 +394,8 @@ def main(argv: list[str] | None = None, client: Client | None = None) -> int:
             client = client or Client(connection=settings)
             if getattr(args, "job_id", None):  # a prefix or a name: the one job it names
                 args.job_id = ids.resolve(client, args.job_id)
+            if getattr(args, "sweep_id", None):
+                args.sweep_id = ids.resolve_sweep(client, args.sweep_id)
             return args.remote(args, client)
         from service.settings import get_settings  # a server-side command: the whole settings, imported only now
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
+
+from service.cli import tables
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
     from trainjobs.client import Client
@@ -15,10 +16,11 @@ console = Console(markup=False)
 
 
 def cmd_queue(args, client: Client) -> int:
-    q = client.queue()
-    if args.json:
-        print(json.dumps(q, indent=2))
-        return 0
+    return tables.answer(client.queue(), args.json, show_queue, to=console)
+
+
+def show_queue(q: dict) -> Table:
+    """Prints the caller's standing and the reservations; returns the waiting jobs in start order, as a table."""
     you = q["you"]
     team = f", team {you['team']}" if you["team"] else ""
     console.print(f"policy {q['policy']}: {q['waiting']} waiting. You ({you['user']}{team}): "
@@ -33,29 +35,26 @@ def cmd_queue(args, client: Client) -> int:
     for j in q["jobs"]:
         table.add_row(str(j["position"]), j["id"], j["name"], j["owner"], j["priority"],
                       (j["estimated_start"] or "-")[:19].replace("T", " "), j["reason"] or "starting now")
-    console.print(table)
-    return 0
+    return table
 
 
 def cmd_team_set(args, client: Client) -> int:
     team = client.put_team(args.name, weight=args.weight, max_slots=args.max_slots)
-    print(json.dumps(team, indent=2) if args.json else
-          f"team {team['name']}: weight {team['weight']:g}, max_slots {team['max_slots']}, "
-          f"members {', '.join(team['members']) or '-'}")
-    return 0
+    return tables.answer(team, args.json, lambda team: print(
+        f"team {team['name']}: weight {team['weight']:g}, max_slots {team['max_slots']}, "
+        f"members {', '.join(team['members']) or '-'}"))
 
 
 def cmd_team_list(args, client: Client) -> int:
-    teams = client.teams()
-    if args.json:
-        print(json.dumps(teams, indent=2))
-        return 0
+    return tables.answer(client.teams(), args.json, teams_table, to=console)
+
+
+def teams_table(teams: dict) -> Table:
     table = Table("team", "weight", "max slots", "device-hours", "members")
     for t in teams["items"]:
         table.add_row(t["name"], f"{t['weight']:g}", str(t["max_slots"] or "-"), f"{t['usage_device_hours']:.2f}",
                       ", ".join(t["members"]))
-    console.print(table)
-    return 0
+    return table
 
 
 def cmd_user_set(args, client: Client) -> int:
@@ -65,10 +64,8 @@ def cmd_user_set(args, client: Client) -> int:
         fields["clear_team"] = True
     if args.no_max_slots:
         fields["clear_max_slots"] = True
-    user = client.update_user(args.name, **fields)
-    print(json.dumps(user, indent=2) if args.json else
-          f"user {user['name']}: team {user['team'] or '-'}, weight {user['weight']:g}, max_slots {user['max_slots']}")
-    return 0
+    return tables.answer(client.update_user(args.name, **fields), args.json, lambda user: print(
+        f"user {user['name']}: team {user['team'] or '-'}, weight {user['weight']:g}, max_slots {user['max_slots']}"))
 
 
 def register(sub) -> None:

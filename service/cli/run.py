@@ -9,13 +9,13 @@ that package already); the script is relative to it. `--dry-run` prints the spec
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from service.cli.follow import exit_code, follow, print_outcome
+from service.cli import tables
+from service.cli.follow import submitted
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
     from trainjobs.client import Client
@@ -83,22 +83,11 @@ def cmd_run(args, client: Client) -> int:
             with pack(workdir) as packed:  # what would be uploaded: its digest, nothing sent
                 spec["entrypoint"]["package"] = packed.digest
                 err.print(f"{workdir.resolve()}: {packed.files} member(s), {packed.size} bytes packed")
-        print(json.dumps(spec, indent=2))
-        return 0
+        return tables.answer(spec, True)  # the spec, whatever --json says: that is what a dry run shows
     if workdir is not None:
+        client.validate(spec, allow_unschedulable=args.allow_unschedulable)  # a spec refused costs no upload
         spec["entrypoint"]["package"] = upload(client, workdir)
-    job = client.submit(spec, allow_unschedulable=args.allow_unschedulable)
-    if args.json:
-        if not args.follow:
-            print(json.dumps(job, indent=2))
-            return 0
-        job = follow(client, job["id"])
-        print(json.dumps(job, indent=2))
-        return exit_code(job)
-    console.print(f"submitted {job['id']} ({job['name']})")
-    if not args.follow:
-        return 0
-    return print_outcome(follow(client, job["id"], console, output=not args.quiet, node_rank=args.node), console)
+    return submitted(client, client.submit(spec, allow_unschedulable=args.allow_unschedulable), args, console)
 
 
 def upload(client: Client, workdir: Path) -> str:
@@ -115,14 +104,12 @@ def cmd_packages(args, client: Client) -> int:
         client.delete_package(args.rm)
         err.print(f"deleted {args.rm}")
         return 0
-    page = client.packages()
-    if args.json:
-        print(json.dumps(page, indent=2))
-        return 0
-    for p in page["items"]:
-        console.print(f"{p['digest']}  {p['size']:>12} bytes  {p['files']:>6} members  {p['created_at']}")
-    console.print(f"{page['count']} package(s), {page['bytes']} bytes")
-    return 0
+    def show(page: dict) -> str:
+        for p in page["items"]:
+            console.print(f"{p['digest']}  {p['size']:>12} bytes  {p['files']:>6} members  {p['created_at']}")
+        return f"{page['count']} package(s), {page['bytes']} bytes"
+
+    return tables.answer(client.packages(), args.json, show, to=console)
 
 
 def register(sub) -> None:

@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Column, Table
 
+from service.cli import tables
+
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
     from trainjobs.client import Client
 
 console = Console(markup=False)
 FOLLOW_POLL_S = 2.0
+SWEEP_HELP = "a sweep id, a unique prefix of it (4 characters or more) or the sweep's exact name"
 
 
 def load(path: str) -> dict:
@@ -57,12 +59,8 @@ def trials_table(sweep: dict, trials: list[dict]) -> Table:
 def cmd_sweep(args, client: Client) -> int:
     sweep = client.submit_sweep(load(args.file))
     if not args.follow:
-        if args.json:
-            print(json.dumps(sweep, indent=2))
-        else:
-            console.print(f"submitted sweep {sweep['id']} ({sweep['name']}): {sweep['trials']['total']} trials, "
-                          f"{sweep['parallel']} at a time")
-        return 0
+        return tables.answer(sweep, args.json, lambda sweep: f"submitted sweep {sweep['id']} ({sweep['name']}): "
+                             f"{sweep['trials']['total']} trials, {sweep['parallel']} at a time", to=console)
     last = None
     while sweep["status"] == "running":
         if not args.json and (line := sweep_line(sweep)) != last:
@@ -75,10 +73,7 @@ def cmd_sweep(args, client: Client) -> int:
 
 def show(client: Client, sweep: dict, *, as_json: bool) -> int:
     trials = client.trials(sweep["id"])
-    if as_json:
-        print(json.dumps({**sweep, "trial_rows": trials}, indent=2))
-    else:
-        console.print(trials_table(sweep, trials))
+    tables.answer({**sweep, "trial_rows": trials}, as_json, lambda _: trials_table(sweep, trials), to=console)
     return 0 if sweep["status"] in ("running", "succeeded") else 1
 
 
@@ -87,10 +82,10 @@ def cmd_sweep_status(args, client: Client) -> int:
 
 
 def cmd_sweeps(args, client: Client) -> int:
-    page = client.sweeps(status=args.status, limit=args.limit)
-    if args.json:
-        print(json.dumps(page, indent=2))
-        return 0
+    return tables.answer(client.sweeps(status=args.status, limit=args.limit), args.json, sweeps_table, to=console)
+
+
+def sweeps_table(page: dict) -> Table:
     table = Table(Column("id", no_wrap=True), "name", "owner", "status", "method", "trials", "best",
                   Column("created (UTC)", no_wrap=True))
     for s in page["items"]:
@@ -98,17 +93,11 @@ def cmd_sweeps(args, client: Client) -> int:
         table.add_row(s["id"], s["name"], s["owner"], s["status"], s["method"], f"{t['made']}/{t['total']}",
                       f"{s['metric']['name']} {value(best['best'])}" if best else "",
                       s["created_at"][:16].replace("T", " "))
-    console.print(table)
-    return 0
+    return table
 
 
 def cmd_sweep_cancel(args, client: Client) -> int:
-    sweep = client.cancel_sweep(args.sweep_id)
-    if args.json:
-        print(json.dumps(sweep, indent=2))
-    else:
-        console.print(sweep_line(sweep))
-    return 0
+    return tables.answer(client.cancel_sweep(args.sweep_id), args.json, sweep_line, to=console)
 
 
 def register(sub) -> None:
@@ -118,7 +107,7 @@ def register(sub) -> None:
     sweep.add_argument("--json", action="store_true", help="the sweep as JSON (with --follow: once it has ended)")
     sweep.set_defaults(remote=cmd_sweep)
     status = sub.add_parser("sweep-status", help="a sweep and its trials, best first by its metric")
-    status.add_argument("sweep_id")
+    status.add_argument("sweep_id", metavar="SWEEP", help=SWEEP_HELP)
     status.add_argument("--json", action="store_true", help="the sweep, with its trials as trial_rows")
     status.set_defaults(remote=cmd_sweep_status)
     ls = sub.add_parser("sweeps", help="recent sweeps, newest first")
@@ -127,6 +116,6 @@ def register(sub) -> None:
     ls.add_argument("--json", action="store_true", help="the page as the API returns it")
     ls.set_defaults(remote=cmd_sweeps)
     cancel = sub.add_parser("sweep-cancel", help="cancel a sweep and every trial not yet ended")
-    cancel.add_argument("sweep_id")
+    cancel.add_argument("sweep_id", metavar="SWEEP", help=SWEEP_HELP)
     cancel.add_argument("--json", action="store_true", help="the sweep as JSON")
     cancel.set_defaults(remote=cmd_sweep_cancel)

@@ -1,10 +1,32 @@
-"""How the CLI shows a memory plan, a job, a page of jobs and the workers: rich tables (`--json` prints the API's
-JSON)."""
+"""How the CLI shows what the API answers: `--json` prints the answer as it came (`answer`, the one place every
+command ends in), else a rich table or plain lines for a person (a memory plan, a job, a page of jobs, the
+workers)."""
 
+import json
+from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
+from rich.console import Console
 from rich.table import Column, Table
 from rich.text import Text
+
+# What the CLI prints is mostly the user's own text (names, messages, URLs): printed as text, never read as markup.
+console = Console(markup=False)
+
+
+def answer(data: Any, as_json: bool, show: Callable[[Any], Any] | None = None, *, to: Console | None = None,
+           indent: int | None = 2) -> int:
+    """A command's ending: with --json, `data` as plain JSON on stdout (no rich markup: for scripts and jq); else
+    what `show(data)` makes of it for a person, printed on `to` (default: stdout), or nothing more when `show`
+    printed it itself (returning None). 0, the exit code of a command that got its answer."""
+    if as_json:
+        print(json.dumps(data, indent=indent))
+        return 0
+    shown = show(data) if show is not None else None
+    if shown is not None:
+        (to or console).print(shown)
+    return 0
 
 
 def plan_table(plan: dict) -> Table:
@@ -12,10 +34,18 @@ def plan_table(plan: dict) -> Table:
     table = Table("per device", "ddp", "fsdp", title=f"{plan['parameters']:,} parameters on {plan['device']}")
     for key in dict.fromkeys([*plan["ddp"]["breakdown"], *plan["fsdp"]["breakdown"]]):
         row = [plan[s]["breakdown"].get(key) for s in ("ddp", "fsdp")]
-        table.add_row(key, *("" if v is None else f"{v / 2**30:.3f} GiB" for v in row))
-    table.add_row(Text("total", style="bold"), *(Text(f"{plan[s]['total_gib']:.3f} GiB", style="bold")
+        table.add_row(key, *("" if v is None else format_bytes(v) for v in row))
+    table.add_row(Text("total", style="bold"), *(Text(format_bytes(plan[s]["total_bytes"]), style="bold")
                                                   for s in ("ddp", "fsdp")))
     return table
+
+
+def format_bytes(n: float) -> str:
+    """In the largest binary unit that keeps it at 1 or more (a tiny model's 3.2 MiB, not 0.003 GiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3f} {unit}"
+    return f"{n:.0f} B"
 
 
 def job_table(job: dict) -> Table:
@@ -29,8 +59,8 @@ def job_table(job: dict) -> Table:
                        ("created", job["created_at"]), ("started", job["started_at"] or ""),
                        ("finished", job["finished_at"] or "")):
         table.add_row(key, str(value))
-    if job.get("pending_reason"):  # queued: why no worker has taken it yet
-        table.add_row("waiting", Text(job["pending_reason"]))
+    if job.get("pending_reason"):  # queued: why no worker has taken it yet; starting: what its worker does
+        table.add_row("waiting" if job.get("status") == "queued" else "starting", Text(job["pending_reason"]))
     return table
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
+
+from service.cli import tables
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
     from trainjobs.client import Client
@@ -32,36 +33,31 @@ def cmd_create(args, client: Client) -> int:
         fields["can_run_entrypoints"] = args.entrypoints
     made = client.create_token(args.name, **{k: v for k, v in fields.items() if v is not None})
     secret = made.pop("token")
-    if args.json:
-        print(json.dumps({**made, "token": secret}, indent=2))
-        return 0
-    print(secret)  # alone on stdout: TOKEN=$(trainjobs token create ci)
+    return tables.answer({**made, "token": secret}, args.json, show_secret)
+
+
+def show_secret(made: dict) -> None:
+    print(made["token"])  # alone on stdout: TOKEN=$(trainjobs token create ci)
     expiry = f", expires {made['expires_at']}" if made["expires_at"] else ""
     err.print(f"token {made['id']} ({made['name']}) for user {made['user']}, role {made['role']}{expiry}. "
               "It is shown only now; the service keeps only its hash.")
-    return 0
 
 
 def cmd_list(args, client: Client) -> int:
-    page = client.tokens()
-    if args.json:
-        print(json.dumps(page, indent=2))
-        return 0
+    return tables.answer(client.tokens(), args.json, tokens_table)
+
+
+def tokens_table(page: dict) -> Table:
     table = Table("id", "name", "user", "role", "created", "last used", "expires", "revoked")
     for t in page["items"]:
         table.add_row(t["id"], t["name"], t["user"], t["role"], t["created_at"], t["last_used_at"] or "",
                       t["expires_at"] or "", t["revoked_at"] or "")
-    Console(markup=False).print(table)
-    return 0
+    return table
 
 
 def cmd_revoke(args, client: Client) -> int:
-    row = client.revoke_token(args.token_id)
-    if args.json:
-        print(json.dumps(row, indent=2))
-    else:
-        err.print(f"token {row['id']} ({row['name']}) revoked at {row['revoked_at']}")
-    return 0
+    return tables.answer(client.revoke_token(args.token_id), args.json,
+                         lambda row: f"token {row['id']} ({row['name']}) revoked at {row['revoked_at']}", to=err)
 
 
 def register(sub) -> None:

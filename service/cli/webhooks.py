@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Column, Table
+
+from service.cli import tables
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
     from trainjobs.client import Client
@@ -21,60 +22,53 @@ def cmd_create(args, client: Client) -> int:
     fields = {"events": args.event, "secret": args.secret, "format": args.format,
               "all_users": True if args.all_users else None}
     made = client.create_webhook(args.url, **{k: v for k, v in fields.items() if v is not None})
-    if args.json:
-        print(json.dumps(made, indent=2))
-        return 0
+    return tables.answer(made, args.json, show_secret)
+
+
+def show_secret(made: dict) -> None:
     print(made["secret"])  # alone on stdout: SECRET=$(trainjobs webhooks create URL)
     err.print(f"webhook {made['id']} → {made['url']} for {', '.join(made['events'])} ({made['format']}"
               f"{', every user' if made['all_users'] else ''}). The secret is shown only now.")
-    return 0
 
 
 def cmd_list(args, client: Client) -> int:
-    page = client.webhooks(owner=args.owner)
-    if args.json:
-        print(json.dumps(page, indent=2))
-        return 0
+    return tables.answer(client.webhooks(owner=args.owner), args.json, webhooks_table, to=out)
+
+
+def webhooks_table(page: dict) -> Table:
     table = Table(Column("id", no_wrap=True), "url", "events", "format", "owner", "secret", "created")
     for h in page["items"]:
         owner = h["owner"] + (" (all users)" if h["all_users"] else "")
         table.add_row(h["id"], h["url"], ", ".join(h["events"]), h["format"], owner, h["secret_hint"],
                       h["created_at"])
-    out.print(table)
-    return 0
+    return table
 
 
 def cmd_delete(args, client: Client) -> int:
-    gone = client.delete_webhook(args.webhook_id)
-    if args.json:
-        print(json.dumps(gone, indent=2))
-    else:
-        err.print(f"webhook {gone['id']} ({gone['url']}) deleted; its undelivered events are dropped")
-    return 0
+    return tables.answer(client.delete_webhook(args.webhook_id), args.json, lambda gone: (
+        f"webhook {gone['id']} ({gone['url']}) deleted; its undelivered events are dropped"), to=err)
 
 
 def cmd_deliveries(args, client: Client) -> int:
     page = client.webhook_deliveries(args.webhook_id, status=args.status, limit=args.limit)
-    if args.json:
-        print(json.dumps(page, indent=2))
-        return 0
+    return tables.answer(page, args.json, deliveries_table, to=out)
+
+
+def deliveries_table(page: dict) -> Table:
     table = Table(Column("event id", no_wrap=True), "event", "subject", "status", "tries", "last answer", "next try",
                   "created")
     for d in page["items"]:
         answer = str(d["last_status_code"]) if d["last_status_code"] is not None else (d["last_error"] or "")
         table.add_row(d["event_id"], d["event"], d["subject"], d["status"], str(d["attempts"]), answer[:60],
                       d["next_attempt_at"] or "", d["created_at"])
-    out.print(table)
-    return 0
+    return table
 
 
 def cmd_test(args, client: Client) -> int:
     sent = client.test_webhook(args.webhook_id)
-    if args.json:
-        print(json.dumps(sent, indent=2))
-    else:
-        answer = sent["last_status_code"] if sent["last_status_code"] is not None else sent["last_error"]
-        out.print(f"{sent['event_id']}: {sent['status']} ({answer})")
+    tables.answer(sent, args.json, lambda sent: f"{sent['event_id']}: {sent['status']} ("
+                  f"{sent['last_status_code'] if sent['last_status_code'] is not None else sent['last_error']})",
+                  to=out)
     return 0 if sent["status"] == "delivered" else 1
 
 

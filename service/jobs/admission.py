@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from service.auth.limits import check_submissions
+from service.auth.limits import check_rights, check_submissions
 from service.auth.tokens import Principal
 from service.errors import IdempotencyConflict, InvalidRequest, NotFound, TrainjobsError
 from service.jobs import queue, service
@@ -133,6 +133,22 @@ def check_own(db: Session, s: Submission, *, settings: Settings) -> None:
     service.check_inputs(spec, data_dir=settings.data_dir)
     if spec.init_from is not None:
         check_init_from(db, spec, principal=s.principal, storage_dir=settings.resolved_storage_dir)
+
+
+def check(spec: JobSpec, *, db: Session, settings: Settings, principal: Principal, wait: bool = False) -> JobSpec:
+    """What submitting `spec` would check, and no job made: a dry submit (POST /v1/jobs:validate), so that a spec the
+    service refuses costs no upload. Not looked at: its package (uploaded once the spec passes), the submission
+    rate and the quota (a submission's). Returns the spec as a job would run it ("auto" resolved)."""
+    check_rights(principal, spec)
+    service.check_inputs(spec, data_dir=settings.data_dir)
+    if spec.init_from is not None:
+        check_init_from(db, spec, principal=principal, storage_dir=settings.resolved_storage_dir)
+    live_workers = worker_rows.live(db, lost_after_s=settings.lease_s)
+    worker_rows.check_pip(spec, live_workers=live_workers)
+    if not wait:
+        worker_rows.check_schedulable(spec, live_workers=live_workers)
+    memory = worker_rows.memory_of(live_workers) if worker_rows.plans_against_workers(spec) else []
+    return service.new_job(spec, owner=principal.user, workers=memory).spec
 
 
 def check_init_from(db, spec: JobSpec, *, principal, storage_dir) -> None:

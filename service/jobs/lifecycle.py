@@ -88,6 +88,8 @@ def transition(db: Session, *, job_id: str, to: JobStatus, values: dict[str, Any
     if attempt is not None:  # fencing: only the attempt that holds the job may move it
         query = query.where(Job.attempt == attempt)
     changes = dict(values or {})
+    if to == JobStatus.QUEUED:  # why it waited before, or what its attempt was doing: the sweeper says anew
+        changes.setdefault("pending_reason", None)
     if to.is_terminal():
         changes.setdefault("finished_at", utcnow())
     result = db.execute(query.values(status=to, **changes).execution_options(synchronize_session=False))

@@ -195,7 +195,7 @@ def reconcile(db: Session, redis: Redis, *, prefix: str, min_age_s: float | None
     if missing:
         log.info("enqueued %d queued job(s) that no queue held: %s", len(missing), missing)
     if min_age_s is not None:
-        entries = list(held)
+        entries, unknown = list(held), []
         for i in range(0, len(entries), CHECK_BATCH):
             chunk = entries[i:i + CHECK_BATCH]
             status_of = dict(db.execute(select(Job.id, Job.status).where(Job.id.in_(chunk))).all())
@@ -204,7 +204,33 @@ def reconcile(db: Session, redis: Redis, *, prefix: str, min_age_s: float | None
                 if status is None or JobStatus(status).is_terminal():
                     get_queue(redis, prefix, held[job_id]).remove(job_id)
                     log.info("dropped queue entry %s (job %s)", job_id, status or "unknown")
+                if status is None:
+                    unknown.append(job_id)
+        if unknown:
+            say_shared(redis, prefix=prefix, job_ids=unknown)
     return missing
+
+
+SHARED_KEY = "{prefix}:shared"  # what say_shared last said, for /readyz
+SHARED_TTL_S = 600
+
+
+def say_shared(redis: Redis, *, prefix: str, job_ids: list[str]) -> None:
+    """Queue entries of jobs this database never had: another stack (another database) shares this Redis db and
+    queue prefix, and each side's workers and reconciler take and drop the other's entries, so both starve in
+    silence. Said in a warning and, for SHARED_TTL_S, in /readyz's `warnings`."""
+    message = (f"{len(job_ids)} queue entr{'y' if len(job_ids) == 1 else 'ies'} (e.g. {job_ids[0]}) name no job in "
+               f"this database: another trainjobs stack with its own database shares this Redis db and queue "
+               f"prefix {prefix!r}, and the two take and drop each other's jobs. Give each stack its own Redis db "
+               "(TRAINJOBS_REDIS_URL=redis://host:6379/N) or TRAINJOBS_QUEUE_PREFIX")
+    log.warning(message)
+    redis.set(SHARED_KEY.format(prefix=prefix), message, ex=SHARED_TTL_S)
+
+
+def shared_warning(redis: Redis, *, prefix: str) -> str | None:
+    """What say_shared said in the last SHARED_TTL_S, if anything."""
+    said = redis.get(SHARED_KEY.format(prefix=prefix))
+    return said.decode() if isinstance(said, bytes) else said
 
 
 def _finishing(db: Session, redis: Redis, job_id: str, now) -> bool:

@@ -18,6 +18,13 @@ from trainjobs.states import JobStatus
 WARNINGS_KEPT = 50
 
 
+def record_phase(db: Session, *, job_id: str, attempt: int, phase: str) -> None:
+    """What a starting attempt is doing before its ranks run (installing requirements, launching), shown as the
+    job's pending_reason while it is `starting`. Written only while this attempt holds the job and it starts."""
+    db.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt, Job.status == JobStatus.STARTING)
+               .values(pending_reason=phase[:500]))
+
+
 def record_stacks(db: Session, *, job_id: str, attempt: int, node_rank: int, stacks: dict) -> None:
     """The ranks' stacks (a hang's, or asked for) on this node's attempt; a hang is an event of the job too."""
     db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt,

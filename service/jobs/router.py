@@ -8,14 +8,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import RedisDep, SessionDep, SettingsDep
-from service.api.etag import bytes_with_etag, job_etag, not_modified
 from service.auth.deps import JobIdDep, PrincipalDep, visible_job
 from service.auth.tokens import Principal
+from service.deps import RedisDep, SessionDep, SettingsDep
 from service.errors import GatewayTimeout, InvalidTransition, JobNotFound, responses
 from service.jobs import admission, lifecycle, queue, records, service
 from service.jobs.bodies import page_body
+from service.jobs.etag import bytes_with_etag, job_etag, not_modified
 from service.jobs.schemas import AttemptPublic, AttemptsPublic, JobPublic, JobsPublic
+from service.lists import CursorQuery
 from trainjobs.spec import JobSpec, with_overrides
 from trainjobs.states import JobStatus
 
@@ -45,6 +46,17 @@ async def submit_job(spec: JobSpec, request: Request, principal: PrincipalDep,
     answer = await request.app.state.admitter.admit(admission.Submission(spec, principal, idempotency_key,
                                                                          wait=allow_unschedulable))
     return created(answer.job_id, answer.version, answer.body, answer.created)
+
+
+# NOTE: `:validate` (a custom method, as Google's APIs name them), not `/validate`: that would also match
+# GET /v1/jobs/{job_id}.
+@router.post(":validate", response_model=JobSpec, responses=responses(400, 403, 404, 413))
+def validate_job(spec: JobSpec, db: SessionDep, settings: SettingsDep, principal: PrincipalDep,
+                 allow_unschedulable: AllowUnschedulable = False) -> JobSpec:
+    """A dry submit: the checks POST /v1/jobs makes of the spec (rights, inputs, the pool), and no job. 200 with the
+    spec as a job would run it, or the refusal a submission would get. Not looked at: `entrypoint.package`
+    (upload it once the spec passes, as `trainjobs run` does), the submission rate and the quota."""
+    return admission.check(spec, db=db, settings=settings, principal=principal, wait=allow_unschedulable)
 
 
 def created(job_id: str, version: int, body: bytes, new: bool) -> Response:
@@ -94,7 +106,7 @@ def list_jobs(
     status: JobStatus | None = None,
     owner: Annotated[str | None, Query(max_length=64, description="admins only; users see their own")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: Annotated[str | None, Query(pattern=r"^[0-9a-f]{20}$", description="the last page's next_cursor")] = None,
+    cursor: CursorQuery = None,
     name: Annotated[str | None, Query(min_length=1, max_length=128, description="names that start with it")] = None,
     tag: Annotated[str | None, Query(min_length=1, max_length=64, description="jobs that carry this tag")] = None,
     sweep: Annotated[str | None, Query(pattern=r"^[0-9a-f]{20}$", description="the trials of this sweep")] = None,

@@ -15,6 +15,7 @@ from service.db import utcnow
 from service.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from service.jobs import notify as notifications
 from service.jobs.models import Attempt, Job, JobEvent, JobTag
+from service.lists import newest_first, page_of
 from trainjobs import plan as memory_plan
 from trainjobs.paths import is_job_id, new_job_id, resolve_data_path
 from trainjobs.plan import WorkerMemory
@@ -188,24 +189,18 @@ def list_page(
 
     Ids and versions only (an index range, no JSON parsed): the caller loads the jobs it has not rendered.
     """
-    if cursor is not None and not is_job_id(cursor):
-        raise InvalidRequest("cursor is not a value this API returned", field="cursor")
-    query = select(Job.id, Job.version).order_by(Job.id.desc()).limit(limit + 1)
+    query = newest_first(select(Job.id, Job.version), Job.id, cursor=cursor, limit=limit)
     if status is not None:
         query = query.where(Job.status == status)
     if owner is not None:
         query = query.where(Job.owner == owner)
-    if cursor is not None:
-        query = query.where(Job.id < cursor)
     if name:
         query = query.where(Job.name.startswith(name, autoescape=True))
     if tag:
         query = query.where(Job.id.in_(select(JobTag.job_id).where(JobTag.tag == tag)))
     if sweep:
         query = query.where(Job.sweep_id == sweep)
-    rows = db.execute(query).all()
-    next_cursor = rows[limit - 1].id if len(rows) > limit else None
-    return rows[:limit], next_cursor
+    return page_of(db.execute(query).all(), limit=limit)
 
 
 def get_many(db: Session, *, job_ids: Collection[str]) -> list[Job]:
