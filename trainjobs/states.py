@@ -80,3 +80,6 @@ class ErrorType(StrEnum):
     DISK_FULL = "disk_full"  # a write of the job's failed for want of space: the error names the disk and the path
     # The object store (TRAINJOBS_STORAGE_URL) kept its artifacts out past TRAINJOBS_STORE_WAIT_S.
     STORE_UNAVAILABLE = "store_unavailable"
+    # A GPU the attempt held turned unhealthy (an NVML error, fallen off the bus): the error names it; retried on
+    # devices that are not.
+    DEVICE_UNHEALTHY = "device_unhealthy"

@@ -1,4 +1,5 @@
-"""A cgroup per attempt, where the worker may make one: a bound on its memory and its processes, and a way to
+"""A cgroup per attempt, where the worker may make one: a bound on its memory and its processes, the cores it was
+placed on (cpuset, where that controller is there: a job cannot widen its own affinity past them), and a way to
 kill all of it at once. Both cgroup versions: v1 (a hierarchy per controller, as on older hosts and this CI
 machine) and v2 (one unified tree, most hosts now), each found at /sys/fs/cgroup.
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 ROOT = Path("/sys/fs/cgroup")
-V1_CONTROLLERS = ("memory", "pids")
+V1_CONTROLLERS = ("memory", "pids")  # needed; cpuset is used where it is there
 PARENT = "trainjobs"
 
 
@@ -72,7 +73,7 @@ def sweep_stale() -> list[str]:
 
 def _parents() -> list[Path]:
     if version() == "v1":
-        return [ROOT / c / PARENT for c in V1_CONTROLLERS]
+        return [ROOT / c / PARENT for c in (*V1_CONTROLLERS, "cpuset")]
     if version() == "v2":
         try:
             return [_own_v2() / PARENT]
@@ -98,8 +99,9 @@ class Attempt:
         self.name = name.replace("/", "_")
         self.version = version()
         self.dirs: list[Path] = []
+        self.cpuset = False  # whether the kernel holds the attempt to its cores
 
-    def create(self, *, memory_bytes: int | None, pids_max: int) -> None:
+    def create(self, *, memory_bytes: int | None, pids_max: int, cpus: list[int] | None = None) -> None:
         if self.version == "v1":
             self.dirs = [ROOT / c / PARENT / self.name for c in V1_CONTROLLERS]
             for d in self.dirs:
@@ -108,11 +110,20 @@ class Attempt:
             if memory_bytes:
                 (memory / "memory.limit_in_bytes").write_text(str(memory_bytes))
             (pids / "pids.max").write_text(str(pids_max))
+            if cpus and (ROOT / "cpuset" / "cpuset.cpus").exists():
+                try:
+                    self.dirs.append(_v1_cpuset(self.name, cpus))
+                    self.cpuset = True
+                except OSError as exc:  # the bounds above still hold; the affinity alone keeps the cores
+                    log.warning("no cpuset for %s: %s", self.name, exc)
         elif self.version == "v2":
             parent = _own_v2() / PARENT
             parent.mkdir(exist_ok=True)
-            (parent.parent / "cgroup.subtree_control").write_text("+memory +pids")
-            (parent / "cgroup.subtree_control").write_text("+memory +pids")
+            wanted = "+memory +pids"
+            if cpus and "cpuset" in (parent.parent / "cgroup.controllers").read_text().split():
+                wanted += " +cpuset"
+            (parent.parent / "cgroup.subtree_control").write_text(wanted)
+            (parent / "cgroup.subtree_control").write_text(wanted)
             d = parent / self.name
             d.mkdir(exist_ok=True)
             self.dirs = [d]
@@ -121,6 +132,12 @@ class Attempt:
                 if (d / "memory.swap.max").exists():  # the bound is on memory, not memory + swap
                     (d / "memory.swap.max").write_text("0")
             (d / "pids.max").write_text(str(pids_max))
+            if "+cpuset" in wanted:
+                try:
+                    (d / "cpuset.cpus").write_text(_cpu_list(cpus))
+                    self.cpuset = True
+                except OSError as exc:
+                    log.warning("no cpuset for %s: %s", self.name, exc)
         else:
             raise OSError("no cgroup hierarchy with memory and pids controllers at /sys/fs/cgroup")
 
@@ -184,3 +201,22 @@ class Attempt:
                     break
                 except OSError:
                     time.sleep(0.05)
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    return ",".join(str(c) for c in sorted(set(cpus)))
+
+
+def _v1_cpuset(name: str, cpus: list[int]) -> Path:
+    """A v1 cpuset child holding `cpus`. A new v1 cpuset starts with no cores and no memory nodes, and a
+    process cannot join it until both are set, so the parent first gets the root's (once)."""
+    root, parent = ROOT / "cpuset", ROOT / "cpuset" / PARENT
+    parent.mkdir(exist_ok=True)
+    for key in ("cpuset.cpus", "cpuset.mems"):
+        if not (parent / key).read_text().strip():
+            (parent / key).write_text((root / key).read_text().strip())
+    d = parent / name
+    d.mkdir(exist_ok=True)
+    (d / "cpuset.mems").write_text((parent / "cpuset.mems").read_text().strip())
+    (d / "cpuset.cpus").write_text(_cpu_list(cpus))
+    return d

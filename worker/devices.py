@@ -4,12 +4,18 @@ links, or on a CPU machine its cores in slots; and what one job's share of them 
 A CUDA worker asks nvidia-smi for each GPU's index, UUID and memory, and `nvidia-smi topo -m` for the links and
 each GPU's NUMA node; a GPU whose query answers an error is unhealthy (placement leaves it out and names it).
 A CPU worker splits the cores it may use (its affinity) into its slots, never across a NUMA node.
+
+A GPU can turn bad under a running job (an NVML error, an Xid, fallen off the bus): gpu_health re-reads them. The
+worker's heartbeat reports it (worker/inventory.py: the device's state `unhealthy` in /v1/workers, and placement
+leaves it out), and the attempt holding it is stopped and retried elsewhere (HealthWatch, worker/supervisor.py).
 """
 
+import dataclasses
 import logging
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from service.scheduling import placement
@@ -18,6 +24,9 @@ from service.scheduling.placement import Device, Machine
 log = logging.getLogger(__name__)
 NODES = Path("/sys/devices/system/node")
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
+QUERY = ("--query-gpu=index,uuid,memory.total,pci.bus_id", "--format=csv,noheader,nounits")
+HEALTH_EVERY_S = 5.0  # how often a worker and each attempt on GPUs re-read their GPUs' health
+HEALTH_TIMEOUT_S = 10.0
 
 
 def numa_nodes() -> dict[int, tuple[int, ...]]:
@@ -50,21 +59,11 @@ def gpu_machine(name: str, slots: int | None = None) -> Machine | None:
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, "--query-gpu=index,uuid,memory.total,pci.bus_id", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
+        out = subprocess.run([exe, *QUERY], capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         log.warning("nvidia-smi failed: no GPU inventory", exc_info=True)
         return None
-    devices = []
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 4 or not parts[0].isdigit():
-            continue
-        index, uuid, memory = int(parts[0]), parts[1], parts[2]
-        healthy = memory.replace(".", "", 1).isdigit() and uuid.startswith("GPU-")
-        devices.append(Device(index, uuid, int(float(memory)) * 2**20 if healthy else None, healthy=healthy,
-                              reason=None if healthy else f"nvidia-smi reports {memory!r}"))
-    devices = visible(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    devices = visible(parse_gpus(out), os.environ.get("CUDA_VISIBLE_DEVICES"))
     devices = devices[:slots] if slots else devices
     if not devices:
         return None
@@ -74,6 +73,84 @@ def gpu_machine(name: str, slots: int | None = None) -> Machine | None:
     except (OSError, subprocess.SubprocessError, ValueError):
         log.warning("nvidia-smi topo -m failed: placing GPUs without their links", exc_info=True)
         return Machine(name, "cuda", tuple(devices))
+
+
+def parse_gpus(out: str) -> list[Device]:
+    """The GPUs of nvidia-smi's QUERY answer; one whose row answers an error ([N/A], [Unknown Error]) unhealthy."""
+    devices = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 4 or not parts[0].isdigit():
+            continue
+        index, uuid, memory = int(parts[0]), parts[1], parts[2]
+        healthy = memory.replace(".", "", 1).isdigit() and uuid.startswith("GPU-")
+        devices.append(Device(index, uuid, int(float(memory)) * 2**20 if healthy else None, healthy=healthy,
+                              reason=None if healthy else f"nvidia-smi reports {memory!r}"))
+    return devices
+
+
+def gpu_health(uuids: list[str]) -> dict[str, str | None] | None:
+    """Each of these GPUs' health as nvidia-smi answers now: None (healthy) or why not (an error in its row, or gone
+    from the list: fallen off the bus, with what nvidia-smi said); None when nvidia-smi cannot be asked at all (no
+    verdict: a slow or missing tool is no reason to stop anyone's job)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None or not uuids:
+        return None
+    try:
+        done = subprocess.run([exe, *QUERY], capture_output=True, text=True, timeout=HEALTH_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("nvidia-smi could not be asked for GPU health (%s): no verdict this time", exc)
+        return None
+    listed = {d.uuid: d for d in parse_gpus(done.stdout)}
+    said = "; ".join(line.strip() for line in (done.stdout + "\n" + done.stderr).splitlines()
+                     if line.strip() and not any(line.strip().startswith(f"{d.index},") for d in listed.values()))
+    health: dict[str, str | None] = {}
+    for uuid in uuids:
+        device = listed.get(uuid)
+        if device is None:
+            health[uuid] = "nvidia-smi no longer lists it (fallen off the bus?)" + (f": {said[:300]}" if said else "")
+        else:
+            health[uuid] = None if device.healthy else device.reason
+    return health
+
+
+def is_gpu_uuid(uuid: str) -> bool:
+    """A UUID nvidia-smi gave (not a number standing in for a GPU it does not list: a test's, a container's)."""
+    return uuid.startswith("GPU-")
+
+
+def with_health(machine: Machine, health: dict[str, str | None]) -> Machine:
+    """`machine` with its GPUs' health as `health` says (uuid -> None or why not); a GPU it does not name is kept
+    as it was."""
+    devices = tuple(dataclasses.replace(d, healthy=health[d.uuid] is None, reason=health[d.uuid])
+                    if d.uuid in health else d for d in machine.devices)
+    return dataclasses.replace(machine, devices=devices)
+
+
+def reported_health(rows: list[dict]) -> dict[str, str | None]:
+    """The health a worker's heartbeat last stored (its devices' rows, as_rows), as with_health takes it."""
+    return {r["uuid"]: None if r.get("healthy", True) else (r.get("reason") or "unhealthy") for r in rows}
+
+
+class HealthWatch:
+    """The health of one attempt's GPUs, re-read at most every `every_s`: the first to turn bad, named."""
+
+    def __init__(self, gpus: list[tuple[int, str]], every_s: float = HEALTH_EVERY_S):
+        self.gpus, self.every_s = gpus, every_s  # (index, UUID) of each
+        self._checked, self.problem = time.monotonic(), None
+
+    def poll(self) -> str | None:
+        """Why the attempt's GPUs can no longer be trusted ("GPU 3 (GPU-…) turned unhealthy: …"), or None."""
+        if not self.gpus or self.problem is not None or time.monotonic() - self._checked < self.every_s:
+            return self.problem
+        self._checked = time.monotonic()
+        health = gpu_health([uuid for _, uuid in self.gpus]) or {}
+        for index, uuid in self.gpus:
+            if reason := health.get(uuid):
+                self.problem = f"GPU {index} ({uuid}) turned unhealthy: {reason}"
+                log.error("%s", self.problem)
+                break
+        return self.problem
 
 
 def visible(devices: list[Device], mask: str | None) -> list[Device]:

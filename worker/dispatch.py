@@ -31,7 +31,9 @@ from service.scheduling import placement, policy
 from service.scheduling import service as scheduling
 from service.settings import Settings
 from service.workers import fit, holds
+from service.workers import service as workers
 from trainjobs.states import JobStatus
+from worker import devices
 
 log = logging.getLogger(__name__)
 SCAN = 200  # gang node tasks looked at per pass
@@ -77,8 +79,11 @@ class Chooser:
         if self.machine is None or need is None:
             return True  # nothing to hold by (a test's bare offer): the job gets the whole worker, as before
         with self.sessions() as db:
-            free = {d.index for d in self.machine.devices} - set(holds.held(db, worker_id=self.offer.id))
-            chosen = placement.choose(self.machine, free, need)
+            # Its GPUs' health as the heartbeat last reported it: one turned unhealthy is left out (worker/devices.py).
+            machine = devices.with_health(self.machine, devices.reported_health(
+                workers.device_rows(db, worker_id=self.offer.id)))
+            free = {d.index for d in machine.devices} - set(holds.held(db, worker_id=self.offer.id))
+            chosen = placement.choose(machine, free, need)
             if chosen is None:
                 log.info("job %s: %d of %d devices free on %s now; its entry goes back", job_id, len(free), need,
                          self.offer.id)

@@ -1,5 +1,6 @@
 """What this machine offers jobs (device, slots, memory, labels), registered in the workers table and kept fresh."""
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -166,6 +167,33 @@ def free_bytes(folder: Path) -> int | None:
     return None
 
 
+class GpuHealth:
+    """A GPU worker's devices' health, re-read at most every devices.HEALTH_EVERY_S (worker/devices.py)."""
+
+    def __init__(self, machine: Machine | None):
+        self.machine = machine if machine is not None and machine.kind == "cuda" else None
+        self.pending: list[dict] | None = None  # rows changed and not yet stored (a beat failed): sent again
+        self._checked = time.monotonic()
+
+    def changed(self) -> Machine | None:
+        """The machine with its GPUs' health as now, when it changed since the last read; else None."""
+        if self.machine is None or time.monotonic() - self._checked < devices.HEALTH_EVERY_S:
+            return None
+        self._checked = time.monotonic()
+        health = devices.gpu_health([d.uuid for d in self.machine.devices if devices.is_gpu_uuid(d.uuid)])
+        if health is None:
+            return None
+        machine = devices.with_health(self.machine, health)
+        if machine == self.machine:
+            return None
+        for before, now in zip(self.machine.devices, machine.devices, strict=True):
+            if before.healthy != now.healthy:
+                log.warning("GPU %d (%s) is %s", now.index, now.uuid,
+                            f"unhealthy: {now.reason}" if not now.healthy else "healthy again")
+        self.machine = machine
+        return machine
+
+
 def register(sessions: sessionmaker[Session], *, offer: Offer) -> None:
     with sessions() as db:
         workers.register(db, worker_id=offer.id, host=offer.host, address=offer.address, device=offer.device,
@@ -178,17 +206,27 @@ def register(sessions: sessionmaker[Session], *, offer: Offer) -> None:
 def start_heartbeat(sessions: sessionmaker[Session], *, offer: Offer, every_s: float,
                     draining: Callable[[], bool], pressure: Callable[[], str | None] = lambda: None
                     ) -> Callable[[], None]:
-    """Register now, renew last_seen every every_s from a daemon thread; returns the stop function (deregisters)."""
+    """Register now, renew last_seen every every_s from a daemon thread; returns the stop function (deregisters).
+
+    On GPUs each beat (at most every devices.HEALTH_EVERY_S) re-reads their health, and stores their rows when it
+    changed: /v1/workers then shows the GPU `unhealthy`, with why, and placement leaves it out."""
     register(sessions, offer=offer)
     name = offer.id
     stopped = threading.Event()
+    health = GpuHealth(offer.machine)
 
     def loop() -> None:
+        nonlocal offer
         while not stopped.wait(every_s):
             try:
+                if (machine := health.changed()) is not None:
+                    offer = dataclasses.replace(offer, machine=machine)
+                    health.pending = devices.as_rows(machine)
                 with sessions() as db:
-                    found = workers.beat(db, worker_id=name, draining=draining(), pressure=pressure())
+                    found = workers.beat(db, worker_id=name, draining=draining(), pressure=pressure(),
+                                         devices=health.pending)
                     db.commit()
+                health.pending = None
                 if not found:  # pruned while we were cut off: come back
                     register(sessions, offer=offer)
             except Exception as exc:  # noqa: BLE001 - a database blip: the next beat tries again

@@ -72,6 +72,14 @@ def is_torchrun(proc: psutil.Process) -> bool:
         return False
 
 
+def is_sandbox(proc: psutil.Process) -> bool:
+    """bwrap, or its init in the PID namespace (worker/sandbox.py): the sandbox around torchrun, no job code."""
+    try:
+        return proc.name() == "bwrap"
+    except psutil.Error:
+        return False
+
+
 def find_processes(root_pid: int, tag: str) -> list[psutil.Process]:
     """The root, its descendants, and any process whose environment carries the run tag."""
     found: dict[int, psutil.Process] = {}
@@ -141,12 +149,16 @@ class AttemptProcesses:
         return [p for p in found.values() if _alive(p)]
 
     def stop(self, grace_s: float) -> list[int]:
-        """SIGTERM every process (torchrun forwards it to its ranks), wait `grace_s`, SIGKILL whatever is left.
+        """SIGTERM the attempt's processes (torchrun forwards it to its ranks), wait `grace_s`, SIGKILL whatever
+        is left.
 
+        Not the sandbox's bwrap and its init (is_sandbox) during the grace: SIGTERM there ends the PID namespace
+        at once, and no rank runs its handler (a save on SIGTERM never happens). They end when torchrun does;
+        while the sandbox holds nothing else yet (torchrun not started), there is nothing to wait for.
         Returns the pids that were still alive and got SIGKILL. Ends only when none is alive.
         """
         procs = self.find()
-        for proc in procs:
+        for proc in [p for p in procs if not is_sandbox(p)] or procs:
             _signal(proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and self.find():

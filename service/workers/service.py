@@ -32,10 +32,13 @@ def register(db: Session, *, worker_id: str, host: str, address: str, device: st
     holds.sync_worker(db, worker_id=worker_id)
 
 
-def beat(db: Session, *, worker_id: str, draining: bool = False, pressure: str | None = None) -> bool:
+def beat(db: Session, *, worker_id: str, draining: bool = False, pressure: str | None = None,
+         devices: list[dict] | None = None) -> bool:
     """Renew last_seen (and say so when draining, and why it takes no jobs: `pressure`, None once it takes them
-    again); False when the row is gone (pruned): register again."""
+    again; its devices, when their health changed); False when the row is gone (pruned): register again."""
     values: dict = {"last_seen": utcnow(), "pressure": pressure[:512] if pressure else None}
+    if devices is not None:
+        values["devices"] = devices
     if draining:
         values["state"] = "draining"
     if db.execute(update(Worker).where(Worker.id == worker_id).values(**values)).rowcount != 1:
@@ -54,6 +57,11 @@ def occupy(db: Session, *, worker_id: str, job_id: str, slots: int) -> None:
 def release(db: Session, *, worker_id: str, job_id: str, node_rank: int | None = None) -> None:
     """The worker is done with job_id (one node of it): its devices go back, and its row says what it still holds."""
     holds.release(db, worker_id=worker_id, job_id=job_id, node_rank=node_rank)
+
+
+def device_rows(db: Session, *, worker_id: str) -> list[dict]:
+    """Its devices as its heartbeat last reported them (their health included); [] without a row."""
+    return db.scalar(select(Worker.devices).where(Worker.id == worker_id)) or []
 
 
 def remove(db: Session, *, worker_id: str) -> None:
