@@ -7,7 +7,13 @@ retention), "direct" is boto3's `upload_file` of each file, with its default tra
 (service/storage/s3.py TRANSFER: what our own overhead costs). Runs alternate, each into a fresh job prefix; the
 ratios are of medians (throughput ours / direct, 1.0 = as fast).
 
+`--step-time`: what uploading in the background costs training. A training process (torch, one thread: a
+4-layer MLP, a checkpoint of about --ckpt-mb every --every steps on local disk, pruned to the last 2) runs with
+the worker's upload thread (AttemptSync.start, in this process, as the supervisor runs it) and without, the two
+alternated; the ratio is the mean step time without over with (1.0 = no cost), the median of the pairs.
+
     python bench/object_storage.py                          # moto's server on loopback, started here
+    python bench/object_storage.py --step-time              # the step-time ratio
     AWS_ENDPOINT_URL=http://minio:9000 ... python bench/object_storage.py --bucket b   # a real server
 """
 
@@ -43,13 +49,19 @@ def make_checkpoint(job_dir: Path, *, shards: int, shard_mb: int) -> tuple[Path,
     return folder, sum(p.stat().st_size for p in folder.iterdir())
 
 
+STORE_ELSEWHERE = "--store-elsewhere" in sys.argv
+
+
 def start_moto() -> tuple[subprocess.Popen, str]:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-p", str(port)],
+    # --store-elsewhere: the server's CPU is not the training host's (as S3's or a MinIO host's is not): it runs at
+    # SCHED_IDLE, so only the worker's own upload work competes with training.
+    idle = ["chrt", "--idle", "0"] if STORE_ELSEWHERE else []
+    server = subprocess.Popen([*idle, str(Path(sys.executable).with_name("moto_server")), "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
                        "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"})
@@ -66,13 +78,77 @@ def start_moto() -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
+TRAIN = """
+import json, os, shutil, sys, time
+import torch
+torch.set_num_threads(1)
+job_dir, steps, every, mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, pad = torch.randn(64, 512), torch.randn(mb * 2**18)  # float32: mb MiB more in each checkpoint
+root, kept = os.path.join(job_dir, "checkpoints"), []
+start = time.perf_counter()
+for step in range(1, steps + 1):
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if step % every == 0:
+        folder = os.path.join(root, f"step_{step:08d}")
+        os.makedirs(folder)
+        torch.save({"model": model.state_dict(), "pad": pad}, os.path.join(folder, "__0_0.distcp"))
+        open(os.path.join(folder, "COMPLETE"), "w").write("{}")
+        kept.append(folder)
+        while len(kept) > 2:
+            shutil.rmtree(kept.pop(0))
+print(json.dumps((time.perf_counter() - start) / steps))
+"""
+
+
+def step_time(store, args) -> None:
+    """Mean step time of the training process with the upload thread and without, alternated."""
+    store.check()
+    with_sync, without, stored = [], [], []
+    for run in range(args.runs):
+        for uploads in ((True, False) if run % 2 == 0 else (False, True)):
+            with tempfile.TemporaryDirectory() as tmp:
+                job_dir = Path(tmp) / "job"
+                (job_dir / "checkpoints").mkdir(parents=True)
+                sync = AttemptSync(store, job_id=new_job_id(), job_dir=job_dir, keep=2, wait_s=0)
+                if uploads:
+                    sync.start()
+                out = subprocess.run([sys.executable, "-c", TRAIN, str(job_dir), str(args.steps), str(args.every),
+                                      str(args.ckpt_mb)], capture_output=True, text=True, check=True)
+                sync.close()
+                (with_sync if uploads else without).append(float(out.stdout))
+                if uploads:
+                    stored.append(len(sync._manifests()))
+    pairs = [w / u for w, u in zip(without, with_sync, strict=True)]
+    print(f"store: {store.url}; {args.runs} pairs of {args.steps} steps, a {args.ckpt_mb} MiB checkpoint every "
+          f"{args.every} steps; checkpoints stored per run with uploads: {stored}")
+    print(f"mean step without uploads: {statistics.median(without) * 1e3:.2f} ms; with: "
+          f"{statistics.median(with_sync) * 1e3:.2f} ms (medians of the runs)")
+    print(f"step-time ratio without/with uploads: {statistics.median(pairs):.3f} (median of pairs; "
+          f"min {min(pairs):.3f}, max {max(pairs):.3f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bucket", default=None, help="an existing bucket (default: moto's, started here)")
+    parser.add_argument("--store-url", default=None, help="--step-time against this store instead (file:///dir: "
+                        "the worker's own cost, without an S3 server on the same cores)")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--shard-mb", type=int, default=32)
     parser.add_argument("--runs", type=int, default=6)
+    parser.add_argument("--step-time", action="store_true", help="the step-time ratio with uploads against none")
+    parser.add_argument("--store-elsewhere", action="store_true", help="run moto at SCHED_IDLE, as a store on "
+                        "another host: only the worker's own upload work then shares the training host's cores")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--every", type=int, default=500)
+    parser.add_argument("--ckpt-mb", type=int, default=32)
     args = parser.parse_args()
+    if args.step_time and args.store_url:
+        return step_time(open_store(Settings(storage_url=args.store_url)), args)
     server = None
     if args.bucket is None:
         server, endpoint = start_moto()
@@ -84,6 +160,8 @@ def main() -> None:
         if server is not None:
             client.create_bucket(Bucket=args.bucket)
         store = open_store(Settings(storage_url=f"s3://{args.bucket}/bench"))
+        if args.step_time:
+            return step_time(store, args)
         with tempfile.TemporaryDirectory() as tmp:
             job_dir = Path(tmp) / "job"
             folder, size = make_checkpoint(job_dir, shards=args.shards, shard_mb=args.shard_mb)

@@ -60,6 +60,7 @@ DESCRIPTIONS = {
     404: "not found, or not yours",
     409: "conflicts with the current state",
     413: "request body too large",
+    416: "the Range asks for no byte of the file (Content-Range gives its size)",
     422: "invalid input; `field` or the detail's `loc` names it",
     429: "too many submissions or the owner's quota is full (Retry-After)",
     504: "a worker did not answer in time",

@@ -19,12 +19,13 @@ import pytest
 from service.settings import Settings
 from service.storage import DirectoryStore, StoreUnavailable, artifact_key, open_store
 from service.storage.store import checkpoint_key, manifest_key
+from service.storage.tree import upload_tree
 from tests.conftest import mlp_spec
 from tests.helpers import free_port, live_stack, processes_of, wait_for, wait_terminal
 from trainjobs.errors import InvalidRequest
 from trainjobs.paths import new_job_id
 from worker import sandbox
-from worker.store_sync import AttemptSync, upload_tree
+from worker.store_sync import AttemptSync
 
 BUCKET = "trainjobs-test"
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}

@@ -9,8 +9,17 @@ lacks the store's newest checkpoint downloads it (beside, then renamed into plac
 checkpoint and the artifacts are stored, retried up to `store_wait_s`; a job whose artifacts could not be stored
 fails naming the store rather than succeeding without them.
 
+A gang's nodes each hold their own ranks' files. Node 0 stores its part of a checkpoint once its COMPLETE is
+written (after every rank's barrier); every other node stores its part once node 0's part is in the store, and
+each writes a part list (`jobs/<id>/checkpoint-parts/step_N/node_K.json`). Whichever node sees every node's part
+writes the manifest, the union of the parts. A resume downloads the whole checkpoint on every node: DCP's loader
+reads an item from whichever rank's file holds it (a replicated tensor is saved once, by one rank).
+
+While the store is out of reach the job's events say so (`store_waiting`, then `store_back` once a checkpoint is
+stored again), so a user sees why its checkpoints lag.
+
 NOTE: the ranks write these folders, so a file in them may be a link planted to make the worker (root) upload
-something else: every file is opened from its folder's descriptor with O_NOFOLLOW, as service/artifacts does.
+something else: every file is opened from its folder's descriptor with O_NOFOLLOW (service/storage/tree.py).
 """
 
 import json
@@ -18,26 +27,32 @@ import logging
 import os
 import re
 import shutil
-import stat
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.jobs.service import record_event
+from service.packages import stored as package_store
 from service.settings import Settings
 from service.storage import StoreUnavailable, artifact_key, open_store
-from service.storage.store import Store, checkpoint_key, manifest_key
+from service.storage.store import Store, checkpoint_key, manifest_key, part_key
+from service.storage.tree import upload_tree
 from trainjobs import paths
 from trainjobs.spec import JobSpec
 from trainjobs.states import ErrorType
+from worker.lease import Lease
+from worker.packages import PackageUnavailable
 
 log = logging.getLogger(__name__)
 STORE_UNAVAILABLE = ErrorType.STORE_UNAVAILABLE  # the job's error type when the store kept its artifacts out
 SCAN_S = 1.0  # how often the upload thread looks for a new complete checkpoint
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 15.0
+LAST_PART_WAIT_S = 30.0  # at a gang node's end, how long it waits for node 0's part of the last checkpoint
+WAITING, BACK = "store_waiting", "store_back"  # the job's events while its checkpoints wait for the store
 STEP = re.compile(rf"{paths.CHECKPOINT_PREFIX}(\d+)")
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class NoSync:
@@ -57,25 +72,49 @@ class NoSync:
 
 
 def for_attempt(settings: Settings, *, job_id: str, job_dir: Path, spec: JobSpec, node_rank: int, gang: bool,
-                stale: Callable[[], bool] = lambda: False) -> "AttemptSync | NoSync":
-    """The attempt's sync, or NoSync without a store. `stale()`: the attempt lost the job (its lease), so it
-    stores nothing more: fencing across machines, where the job folder's OWNER file is only local.
-    NOTE: a gang's nodes each hold only their own shards, so its checkpoints are not stored yet (left for the
-    gang slice of issue 31); node 0 stores its artifacts."""
+                lease: Lease | None = None, sessions: sessionmaker[Session] | None = None) -> "AttemptSync | NoSync":
+    """The attempt's sync, or NoSync without a store. `lease`: once it is lost (or, as far as this worker knows,
+    run out) the attempt stores nothing more: fencing across machines, where the job folder's OWNER file is only
+    local; and its tick while the supervisor waits on the store. `sessions`: where the job's events go (none: only
+    the worker's log says the store is out of reach)."""
     store = open_store(settings)
-    if store is None or node_rank != 0:
+    if store is None:
         return NoSync()
     return AttemptSync(store, job_id=job_id, job_dir=job_dir, keep=spec.train.keep_checkpoints,
-                       wait_s=settings.store_wait_s, checkpoints=not gang and spec.entrypoint is None, stale=stale)
+                       wait_s=settings.store_wait_s, checkpoints=spec.entrypoint is None, node_rank=node_rank,
+                       nnodes=spec.resources.nnodes if gang else 1,
+                       note=event_writer(sessions, job_id) if sessions is not None else None,
+                       **({} if lease is None else {
+                           "stale": lambda: lease.lost or lease.expired, "lost": lambda: lease.lost,
+                           # one request's worst (botocore's 3 tries of connect and read) and one backoff's sleep
+                           "alive": lambda: lease.tick(busy_s=6 * settings.store_timeout_s + BACKOFF_MAX_S)}))
+
+
+def event_writer(sessions: sessionmaker[Session], job_id: str) -> Callable[[str, str], None]:
+    """A job event per call; a database out of reach loses the event, never the upload."""
+    def note(kind: str, detail: str) -> None:
+        try:
+            with sessions() as db:
+                record_event(db, job_id=job_id, kind=kind, detail=detail[:2000])
+                db.commit()
+        except Exception as exc:  # noqa: BLE001 - an event is a courtesy: the store's state is in the log too
+            log.warning("job %s: could not record %s: %s", job_id, kind, exc)
+    return note
 
 
 class AttemptSync:
     def __init__(self, store: Store, *, job_id: str, job_dir: Path, keep: int, wait_s: float,
-                 checkpoints: bool = True, stale: Callable[[], bool] = lambda: False):
+                 checkpoints: bool = True, node_rank: int = 0, nnodes: int = 1,
+                 stale: Callable[[], bool] = lambda: False, lost: Callable[[], bool] = lambda: False,
+                 note: Callable[[str, str], None] | None = None, alive: Callable[[], None] | None = None):
         self.store, self.job_id, self.job_dir, self.keep, self.wait_s = store, job_id, job_dir, keep, wait_s
-        self.stale = stale
-        self.checkpoints = checkpoints  # the built-in runtime's step_N/COMPLETE layout, a single node
-        self.stored_step = -1  # the newest checkpoint with a manifest in the store, as far as this attempt knows
+        self.node_rank, self.nnodes, self.stale, self.lost = node_rank, nnodes, stale, lost
+        self.note = note or (lambda kind, detail: None)
+        self.alive = alive or (lambda: None)
+        self._waited_on = False  # the supervisor waits on the store (before launch, at the end): keep its lease
+        self.checkpoints = checkpoints  # the built-in runtime's step_N/COMPLETE layout
+        self.stored_step = -1  # the newest checkpoint this node stored (its part, in a gang), or found stored
+        self.waiting = False  # the store is out of reach: the job's events said so, and say when it is back
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -102,9 +141,10 @@ class AttemptSync:
             return
         root = self.job_dir / paths.CHECKPOINTS
         root.mkdir(parents=True, exist_ok=True)
-        staging = root / f".restore-{newest['name']}"
+        staging = root / f".restore-{newest['name']}-node{self.node_rank}"
         shutil.rmtree(staging, ignore_errors=True)
         for rel, size in newest["files"].items():
+            self._tick()
             dest = staging / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             self.store.get_file(checkpoint_key(self.job_id, newest["name"], rel), dest)
@@ -112,6 +152,9 @@ class AttemptSync:
                 raise StoreUnavailable(f"the store {self.store.url} gave {rel} of {newest['name']} with "
                                        f"{dest.stat().st_size} bytes, its manifest says {size}")
         final = root / newest["name"]
+        if (final / paths.CHECKPOINT_COMPLETE).is_file():  # another node of a gang sharing this folder was first
+            shutil.rmtree(staging, ignore_errors=True)
+            return
         shutil.rmtree(final, ignore_errors=True)  # a half-written one of an attempt that died here
         os.replace(staging, final)
         owner = root.stat()
@@ -140,6 +183,7 @@ class AttemptSync:
             self._thread.start()
 
     def _loop(self) -> None:
+        _in_the_background()
         wait, failures = SCAN_S, 0
         while not self._stop.wait(wait):
             try:
@@ -149,33 +193,73 @@ class AttemptSync:
                 failures += 1
                 wait = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1))
                 log.warning("job %s: %s; retrying in %.1fs", self.job_id, exc.message, wait)
+                self._note_waiting(f"{exc.message}: the job trains on, its checkpoints wait (retried with backoff)")
             except Exception:  # noqa: BLE001 - an upload bug must never end a healthy run
                 log.exception("job %s: storing a checkpoint failed", self.job_id)
                 wait = BACKOFF_MAX_S
 
     def upload_newest(self) -> str | None:
-        """The newest complete local checkpoint into the store, if it is newer than the stored one: every file,
-        then its manifest, then retention. Returns its name, or None when there was nothing new."""
-        local = paths.latest_checkpoint(self.job_dir)
+        """The newest local checkpoint this node may store, if newer than the one it stored: every file, then its
+        manifest (a gang's node: its part, then the manifest once every node's part is in), then retention.
+        Returns its name, or None when there was nothing new."""
+        local = self._ready()
         if local is None or _step(local.name) <= self.stored_step or self.stale():
             return None
         try:
             files = upload_tree(self.store, self.job_dir / paths.CHECKPOINTS, local.name,
-                                lambda rel: checkpoint_key(self.job_id, local.name, rel), whole=True)
+                                lambda rel: checkpoint_key(self.job_id, local.name, rel), whole=True,
+                                each=self._tick)
         except FileNotFoundError:  # pruned by the ranks meanwhile: a newer one is there
             return None
         now = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file() and not p.is_symlink()}
-        if paths.CHECKPOINT_COMPLETE not in files or now != set(files):  # pruned under the upload
-            return None
-        manifest = {"name": local.name, "step": _step(local.name), "files": files, "stored_at": time.time()}
+        if now != set(files) or (self.node_rank == 0 and paths.CHECKPOINT_COMPLETE not in files):
+            return None  # pruned under the upload
         if self.stale():
             return None
-        self.store.put_bytes(manifest_key(self.job_id, local.name), json.dumps(manifest).encode())  # LAST
-        self.stored_step = manifest["step"]
-        self.prune()
-        log.info("job %s: checkpoint %s stored in %s (%d files)", self.job_id, local.name, self.store.url,
-                 len(files))
+        if self.nnodes == 1:
+            self._write_manifest(local.name, files)
+        else:
+            part = {"node_rank": self.node_rank, "files": files}
+            self.store.put_bytes(part_key(self.job_id, local.name, self.node_rank), json.dumps(part).encode())
+            self.seal(local.name)
+        self.stored_step = _step(local.name)
+        log.info("job %s: checkpoint %s stored in %s (%d files of node %d)", self.job_id, local.name,
+                 self.store.url, len(files), self.node_rank)
+        if self.waiting:
+            self.waiting = False
+            self.note(BACK, f"the store {self.store.url} answers again: checkpoint {local.name} stored")
         return local.name
+
+    def _ready(self) -> Path | None:
+        """The newest local checkpoint whose files are all written: node 0's with COMPLETE; another node's once
+        node 0's part of it is stored (node 0 writes COMPLETE after every rank's barrier)."""
+        if self.node_rank == 0:
+            return paths.latest_checkpoint(self.job_dir)
+        parts = part_key(self.job_id)
+        steps = sorted({o.key[len(parts):].split("/", 1)[0] for o in self.store.list(parts)
+                        if o.key.endswith("/node_0.json")}, key=_step, reverse=True)
+        local = self.job_dir / paths.CHECKPOINTS
+        return next((local / name for name in steps if STEP.fullmatch(name) and (local / name).is_dir()), None)
+
+    def seal(self, name: str) -> bool:
+        """A gang's checkpoint: its manifest (the union of every node's files) once every node's part is in."""
+        if self.store.head(manifest_key(self.job_id, name)) is not None:
+            return True
+        files: dict[str, int] = {}
+        for node in range(self.nnodes):
+            try:
+                files.update(json.loads(self.store.get_bytes(part_key(self.job_id, name, node)))["files"])
+            except FileNotFoundError:
+                return False  # that node's part is not in yet: it writes the manifest when it is
+        if paths.CHECKPOINT_COMPLETE not in files:
+            return False
+        self._write_manifest(name, files)
+        return True
+
+    def _write_manifest(self, name: str, files: dict[str, int]) -> None:
+        manifest = {"name": name, "step": _step(name), "files": files, "nodes": self.nnodes, "stored_at": time.time()}
+        self.store.put_bytes(manifest_key(self.job_id, name), json.dumps(manifest).encode())  # LAST
+        self.prune()
 
     def prune(self) -> None:
         """Keep the newest `keep` stored checkpoints: an older one's manifest goes first, then its files (and the
@@ -186,12 +270,12 @@ class AttemptSync:
         kept = {key.rsplit("/", 1)[1].removesuffix(".json") for _, key in manifests[-self.keep:]}
         self.store.delete([key for _, key in manifests[:-self.keep]])
         newest = manifests[-1][0]
-        prefix = checkpoint_key(self.job_id)
         stale = []
-        for obj in self.store.list(prefix):
-            folder = obj.key[len(prefix):].split("/", 1)[0]
-            if folder not in kept and STEP.fullmatch(folder) and _step(folder) < newest:
-                stale.append(obj.key)
+        for prefix in (checkpoint_key(self.job_id), part_key(self.job_id)):
+            for obj in self.store.list(prefix):
+                folder = obj.key[len(prefix):].split("/", 1)[0]
+                if folder not in kept and STEP.fullmatch(folder) and _step(folder) < newest:
+                    stale.append(obj.key)
         self.store.delete(stale)
 
     # --- at the end ----------------------------------------------------------------------------------------------
@@ -199,8 +283,17 @@ class AttemptSync:
         """The ranks are gone: store the last checkpoint and the artifacts, retrying up to store_wait_s. An error
         dict naming the store when a job that succeeded could not store them (it must not succeed without)."""
         self.close()
+        if not self._confirm_lease():
+            log.error("job %s: its lease is not confirmed: its last checkpoint and artifacts are not stored",
+                      self.job_id)
+            if succeeded and not self.lost():  # lost: the outcome is not this attempt's to record anyway
+                return {"type": STORE_UNAVAILABLE, "rank": None, "message": "the attempt's lease could not be "
+                        f"confirmed within store_wait_s={self.wait_s:g}s: its artifacts were not stored"}
+            return None
         try:
             self._retrying(self._store_last, what="storing the attempt's last checkpoint and artifacts")
+            if succeeded and self.checkpoints and self.node_rank > 0:
+                self._retrying(self._store_last_part, what="storing this node's part of the last checkpoint")
         except StoreUnavailable as exc:
             log.error("job %s: %s", self.job_id, exc.message)
             if succeeded:
@@ -208,16 +301,43 @@ class AttemptSync:
                         f"could not be stored within store_wait_s={self.wait_s:g}s"}
         return None
 
+    def _confirm_lease(self) -> bool:
+        """Whether the attempt still holds the job. A lease this worker merely sees run out (a renewal the database
+        was too slow for) is waited on, up to store_wait_s: storing nothing would let the job succeed without its
+        artifacts in the store."""
+        deadline = time.monotonic() + self.wait_s
+        self._waited_on = True
+        try:
+            while self.stale() and not self.lost() and time.monotonic() < deadline:
+                self._tick()
+                time.sleep(0.2)
+        finally:
+            self._waited_on = False
+        return not self.stale()
+
     def _store_last(self) -> None:
         if self.checkpoints:
             self.upload_newest()
-        self.upload_artifacts()
+        if self.node_rank == 0:
+            self.upload_artifacts()
+
+    def _store_last_part(self) -> None:
+        """A gang's other node: its part of the last checkpoint, once node 0's is in (node 0 may end later)."""
+        local = self.job_dir / paths.CHECKPOINTS
+        newest = max((_step(p.name) for p in local.glob(f"{paths.CHECKPOINT_PREFIX}*") if STEP.fullmatch(p.name)),
+                     default=-1) if local.is_dir() else -1
+        deadline = time.monotonic() + min(self.wait_s, LAST_PART_WAIT_S)
+        while self.stored_step < newest and time.monotonic() < deadline and not self.stale():
+            self._tick()
+            self.upload_newest()
+            time.sleep(SCAN_S)
 
     def upload_artifacts(self) -> int:
         """Every regular file under the local artifacts folder (no link followed); returns how many."""
         if not (self.job_dir / paths.ARTIFACTS).is_dir() or self.stale():
             return 0
-        return len(upload_tree(self.store, self.job_dir, paths.ARTIFACTS, lambda rel: artifact_key(self.job_id, rel)))
+        return len(upload_tree(self.store, self.job_dir, paths.ARTIFACTS, lambda rel: artifact_key(self.job_id, rel),
+                               each=self._tick))
 
     def close(self) -> None:
         self._stop.set()
@@ -227,50 +347,60 @@ class AttemptSync:
 
     def _retrying(self, action: Callable[[], None], *, what: str) -> None:
         deadline, wait = time.monotonic() + self.wait_s, BACKOFF_FIRST_S
+        self._waited_on = True
+        try:
+            self._retry(action, what=what, deadline=deadline, wait=wait)
+        finally:
+            self._waited_on = False
+
+    def _retry(self, action: Callable[[], None], *, what: str, deadline: float, wait: float) -> None:
         while True:
+            self._tick()
             try:
-                return action()
+                action()
             except StoreUnavailable as exc:
                 if time.monotonic() + wait > deadline:
                     raise
                 log.warning("job %s: %s: %s; retrying in %.1fs", self.job_id, what, exc.message, wait)
+                self._note_waiting(f"{exc.message}: {what}, retried up to store_wait_s={self.wait_s:g}s")
                 time.sleep(wait)
                 wait = min(BACKOFF_MAX_S, wait * 2)
+            else:
+                if self.waiting:
+                    self.waiting = False
+                    self.note(BACK, f"the store {self.store.url} answers again: {what} done")
+                return
 
 
-def upload_tree(store: Store, parent: Path, name: str, key_of: Callable[[str], str], *,
-                whole: bool = False) -> dict[str, int]:
-    """Every regular file under parent/name (links neither followed nor stored) as key_of(its path under it);
-    returns each path and its size. FileNotFoundError if the folder is gone or, `whole`, a file of it went
-    meanwhile (a checkpoint pruned under the upload must get no manifest)."""
-    top = os.open(parent, _DIR)
+    def _tick(self) -> None:
+        """The lease's tick while the supervisor waits on the store; never from the background thread, whose
+        uploads must not hide a stuck supervisor."""
+        if self._waited_on:
+            self.alive()
+
+    def _note_waiting(self, detail: str) -> None:
+        if not self.waiting:  # once per outage, not once per retry
+            self.waiting = True
+            self.note(WAITING, detail)
+
+
+def fetch_package(settings: Settings, digest: str, archive: Path) -> None:
+    """A job's package from the store into this machine's storage dir, where it lacks it (no-op without a store);
+    the store out of reach, or giving other bytes, makes the package unavailable to this attempt."""
     try:
-        fd = os.open(name, _DIR, dir_fd=top)
-    finally:
-        os.close(top)
-    files = {}
-    try:
-        for folder, _, names, folder_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-            for file_name in sorted(names):
-                try:
-                    file_fd = os.open(file_name, _FILE, dir_fd=folder_fd)
-                except FileNotFoundError:
-                    if whole:
-                        raise
-                    continue
-                except OSError:  # a link (O_NOFOLLOW: ELOOP), a socket
-                    continue
-                with os.fdopen(file_fd, "rb") as file:
-                    info = os.fstat(file_fd)
-                    if not stat.S_ISREG(info.st_mode):
-                        continue
-                    rel = Path(folder, file_name).as_posix().removeprefix("./")
-                    store.put_file(key_of(rel), file)
-                    files[rel] = info.st_size
-    finally:
-        os.close(fd)
-    return files
+        package_store.fetch(settings, digest, archive)
+    except StoreUnavailable as exc:
+        raise PackageUnavailable(f"package {digest}: {exc.message}") from None
 
 
 def _step(name: str) -> int:
     return int(name[len(paths.CHECKPOINT_PREFIX):])
+
+
+def _in_the_background() -> None:
+    """The calling thread runs only on CPU time nothing else wants (SCHED_IDLE): an upload (hashing, TLS, copying)
+    never takes a core from the job's ranks, whose step time it would otherwise cost on a busy machine."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (Linux schedules threads)
+    except (AttributeError, OSError) as exc:
+        log.info("uploads run at normal priority: %s", exc)

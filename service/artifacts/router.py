@@ -2,19 +2,19 @@
 
 from datetime import datetime
 from email.utils import formatdate
-from urllib.parse import quote
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from service.api.deps import SettingsDep
 from service.artifacts import service as storage
 from service.artifacts import stored
 from service.auth.deps import JobIdDep
+from service.deps import SettingsDep
 from service.errors import responses
 from service.lists import Listing
 from service.storage import Store, open_store
+from service.storage.store import disposition
 
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 
@@ -44,18 +44,27 @@ def list_artifacts(job_id: JobIdDep, request: Request, settings: SettingsDep) ->
     return ArtifactsPublic(items=[ArtifactPublic(**f) for f in files], count=len(files))
 
 
-@router.get("/{job_id}/artifacts/{name:path}", response_class=StreamingResponse, responses=responses(404))
-def download_artifact(job_id: JobIdDep, name: str, request: Request, settings: SettingsDep) -> StreamingResponse:
+@router.get("/{job_id}/artifacts/{name:path}", response_class=StreamingResponse, responses={
+    **responses(404, 416), 206: {"description": "the bytes a Range asked for"},
+    307: {"description": "a presigned URL of the store (TRAINJOBS_STORE_PRESIGNED_URLS)"}})
+def download_artifact(job_id: JobIdDep, name: str, request: Request, settings: SettingsDep) -> Response:
+    filename = name.rsplit("/", 1)[-1]
+    headers = {"Content-Disposition": disposition(filename)}
+    status = 200
     if (store := object_store(request, settings)) is not None:
-        chunks, obj = stored.open_artifact(store, job_id, name)
-        size, modified = obj.size, obj.modified.timestamp()
+        key, obj = stored.find_artifact(store, job_id, name)
+        if settings.store_presigned_urls and (url := store.presign(key, ttl_s=settings.store_presign_ttl_s,
+                                                                   filename=filename)):
+            return RedirectResponse(url, status_code=307, headers={"Cache-Control": "no-store"})
+        span = stored.byte_range(request.headers.get("range"), obj.size)
+        chunks, size, modified = stored.read_artifact(store, key, obj, span), obj.size, obj.modified.timestamp()
+        headers["Accept-Ranges"] = "bytes"
+        if span is not None:
+            status, headers["Content-Range"] = 206, f"bytes {span[0]}-{span[1]}/{obj.size}"
+            size = span[1] - span[0] + 1
     else:
         # Streamed from the file that was opened and checked (service.py's NOTE), so no Range requests.
         file, info = storage.open_artifact(settings, job_id, name)
         chunks, size, modified = storage.read_chunks(file, info.st_size), info.st_size, info.st_mtime
-    filename = name.rsplit("/", 1)[-1]
-    disposition = (f'attachment; filename="{filename}"' if quote(filename) == filename
-                   else f"attachment; filename*=utf-8''{quote(filename)}")
-    headers = {"Content-Length": str(size), "Last-Modified": formatdate(modified, usegmt=True),
-               "Content-Disposition": disposition}
-    return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+    headers |= {"Content-Length": str(size), "Last-Modified": formatdate(modified, usegmt=True)}
+    return StreamingResponse(chunks, status_code=status, media_type="application/octet-stream", headers=headers)

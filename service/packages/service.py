@@ -16,6 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.errors import InvalidRequest, NotFound, TrainjobsError
+from service.packages import stored
 from service.packages.models import Package
 from service.settings import Settings
 from trainjobs.packing import DIGEST, UnsafeArchive, check_archive
@@ -119,6 +120,7 @@ def store(db: Session, *, settings: Settings, owner: str, digest: str, received:
         final = package_file(settings.resolved_storage_dir, digest)
         if not final.exists():
             os.replace(received.path, final)  # atomic: a worker never reads half a package
+        stored.keep(settings, digest, final)  # with a store, where workers fetch it: before the row names it
         package = Package(owner=owner, digest=digest, size=received.size, files=received.files,
                           unpacked_bytes=received.unpacked_bytes)
         db.add(package)
@@ -134,4 +136,5 @@ def delete(db: Session, *, settings: Settings, owner: str, digest: str) -> None:
     db.flush()
     if find(db, owner=None, digest=digest) is None:  # no one else has it: the file goes too
         package_file(settings.resolved_storage_dir, digest).unlink(missing_ok=True)
+        stored.forget(settings, digest)
     db.commit()

@@ -18,7 +18,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service.storage.store import CHUNK, ObjectInfo, Store, StoreUnavailable
+from service.storage.store import CHUNK, ObjectInfo, Store, StoreUnavailable, disposition
 
 MISSING = ("404", "NoSuchKey", "NotFound")
 # Checkpoint shards are large: 16 MiB parts, 8 at a time (boto3's own default is 8 MiB and 10 threads).
@@ -34,6 +34,7 @@ class S3Store(Store):
         # AWS_REGION is what most tools set; botocore itself reads only AWS_DEFAULT_REGION.
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         self.client = boto3.session.Session().client("s3", region_name=region, config=Config(
+            signature_version="s3v4",  # presigned URLs too: SigV2 is gone from newer regions, R2 and GCS
             connect_timeout=timeout_s, read_timeout=timeout_s, retries={"mode": "standard", "max_attempts": 3}))
 
     @contextmanager
@@ -88,6 +89,13 @@ class S3Store(Store):
         except FileNotFoundError:
             return None
         return ObjectInfo(key, got["ContentLength"], got["LastModified"])
+
+    def presign(self, key: str, *, ttl_s: int, filename: str) -> str | None:
+        # Signed locally (no request): the store checks the signature, and its expiry, when the client comes.
+        with self._answer(f"presign {key}"):
+            return self.client.generate_presigned_url("get_object", ExpiresIn=ttl_s, Params={
+                "Bucket": self.bucket, "Key": self.prefix + self._check_key(key),
+                "ResponseContentDisposition": disposition(filename)})
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         extra = {"Range": f"bytes={start}-{'' if end is None else end}"} if start or end is not None else {}

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import BinaryIO
+from urllib.parse import quote
 
 from trainjobs.errors import InvalidRequest, TrainjobsError
 from trainjobs.paths import ARTIFACTS, CHECKPOINTS, is_job_id
 
 MANIFESTS = "checkpoint-manifests"  # jobs/<id>/checkpoint-manifests/step_00000500.json: one per stored checkpoint
+PARTS = "checkpoint-parts"  # jobs/<id>/checkpoint-parts/step_00000500/node_1.json: a gang's node's files of one
 CHUNK = 1 << 16
 
 
@@ -70,10 +72,33 @@ def manifest_key(job_id: str, checkpoint: str = "") -> str:
     return f"{folder}{'/'.join(check_relative(checkpoint, what='checkpoint'))}.json" if checkpoint else folder
 
 
+def part_key(job_id: str, checkpoint: str = "", node_rank: int | None = None) -> str:
+    """A gang's node parts: the folder of all, of one checkpoint's, or one node's part of it."""
+    folder = f"{job_prefix(job_id)}{PARTS}/"
+    if not checkpoint:
+        return folder
+    folder += "/".join(check_relative(checkpoint, what="checkpoint")) + "/"
+    return folder if node_rank is None else f"{folder}node_{int(node_rank)}.json"
+
+
+def package_key(digest: str) -> str:
+    """An uploaded package's archive, by its digest (sha256:<hex>): `packages/<hex>.tar.gz`, shared by its owners."""
+    hex_digest = digest.removeprefix("sha256:")
+    if len(hex_digest) != 64 or any(c not in "0123456789abcdef" for c in hex_digest):
+        raise InvalidRequest(f"{digest!r} is not a package digest", field="digest")
+    return f"packages/{hex_digest}.tar.gz"
+
+
 def artifact_key(job_id: str, name: str = "") -> str:
     """The artifacts' folder, or one artifact by its path relative to the job's artifacts."""
     folder = f"{job_prefix(job_id)}{ARTIFACTS}/"
     return folder + "/".join(check_relative(name, what="artifact name", field="name")) if name else folder
+
+
+def disposition(filename: str) -> str:
+    """Content-Disposition for a download of `filename` (RFC 6266: filename*= where it is not plain ASCII)."""
+    return (f'attachment; filename="{filename}"' if quote(filename) == filename
+            else f"attachment; filename*=utf-8''{quote(filename)}")
 
 
 class Store(ABC):
@@ -109,6 +134,11 @@ class Store(ABC):
     def read(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         """Bytes start..end (inclusive; None: to the end) of the object, in chunks; FileNotFoundError if none."""
 
+    def presign(self, key: str, *, ttl_s: int, filename: str) -> str | None:
+        """A URL that downloads the object (as `filename`) without credentials for ttl_s, or None where the store
+        has no such URLs (a folder)."""
+        return None
+
     def put_bytes(self, key: str, data: bytes) -> None:
         import io
 
@@ -119,8 +149,8 @@ class Store(ABC):
 
     def _check_key(self, key: str) -> str:
         check_relative(key, what="key")  # every key the store is handed, wherever it was made
-        if not key.startswith("jobs/"):
-            raise InvalidRequest(f"key {key!r} is outside the jobs' prefix")
+        if not key.startswith(("jobs/", "packages/")):
+            raise InvalidRequest(f"key {key!r} is outside the jobs' and the packages' prefixes")
         return key
 
 

@@ -1,0 +1,253 @@
+"""Object storage under faults (issue 31), against moto's S3 server run as a process of its own on loopback.
+
+A store that stops answering while a job trains (the server paused with SIGSTOP: connections open, no answer,
+as a store that is down or stuck looks to a client) and then comes back: the job trains on, its events say
+its checkpoints wait and when the store is back, and it succeeds with nothing lost. A 2-node gang stores each
+node's part of a checkpoint and a manifest only once both are in; killed with both its workers and their local
+dirs deleted, it resumes on two new workers, each with a local dir of its own, from the store.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import psutil
+import pytest
+from sqlalchemy import create_engine, select
+
+from service.jobs.models import JobEvent
+from service.storage import DirectoryStore, StoreUnavailable, artifact_key, open_store
+from service.storage.store import checkpoint_key, manifest_key, part_key
+from tests.conftest import mlp_spec
+from tests.helpers import free_port, live_stack, wait_for, wait_terminal
+from trainjobs.paths import new_job_id
+from worker.store_sync import BACK, WAITING, AttemptSync
+
+BUCKET = "trainjobs-faults"
+AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def moto_process(tmp_path_factory):
+    """moto's S3 server as a child process (so that it can be paused), with the bucket; the AWS variables
+    point this process and every process it starts at it."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115 - closed below
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in (*AWS, "AWS_ENDPOINT_URL")}
+    os.environ.update({**AWS, "AWS_ENDPOINT_URL": endpoint})
+    try:
+        wait_for(lambda: _bucket_made(), 60, interval=0.5, what="moto's server")
+        yield server
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _bucket_made() -> bool:
+    try:
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+    except Exception:  # noqa: BLE001 - not listening yet
+        return False
+    return True
+
+
+def job_events(url: str, job_id: str) -> list[tuple[str, str]]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as db:
+            return [(kind, detail) for kind, detail in db.execute(
+                select(JobEvent.kind, JobEvent.detail).where(JobEvent.job_id == job_id).order_by(JobEvent.id))]
+    finally:
+        engine.dispose()
+
+
+def shard(job_dir: Path, step: int, node: int, *, complete: bool) -> Path:
+    """One node's files of a checkpoint as DCP writes them: its ranks' shards; node 0 also the metadata."""
+    folder = job_dir / "checkpoints" / f"step_{step:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"__{node}_0.distcp").write_bytes(os.urandom(500 + node))
+    (folder / f"rng_rank{node}.pt").write_bytes(b"rng")
+    if node == 0:
+        (folder / ".metadata").write_bytes(b"meta")
+    if complete:
+        (folder / "COMPLETE").write_text("{}")
+    return folder
+
+
+def test_a_gang_checkpoint_counts_once_every_nodes_part_is_in_and_each_node_resumes_it_whole(tmp_path):
+    store, job = DirectoryStore(tmp_path / "store"), new_job_id()
+    (tmp_path / "store").mkdir()
+    nodes = [AttemptSync(store, job_id=job, job_dir=tmp_path / f"node{n}", keep=2, wait_s=1, node_rank=n, nnodes=2)
+             for n in (0, 1)]
+    shard(tmp_path / "node1", 100, 1, complete=False)
+    assert nodes[1].upload_newest() is None  # node 0's part is not in: node 1 cannot know its files are whole
+    shard(tmp_path / "node0", 100, 0, complete=True)
+    assert nodes[0].upload_newest() == "step_00000100"
+    assert store.head(manifest_key(job, "step_00000100")) is None  # one part of two: not a checkpoint yet
+    assert nodes[1].upload_newest() == "step_00000100"  # node 1 sees both parts: it writes the manifest
+    manifest = nodes[0].newest_manifest()
+    assert sorted(manifest["files"]) == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp", "rng_rank0.pt",
+                                         "rng_rank1.pt"] and manifest["nodes"] == 2
+
+    # Step 200: node 1 dies before storing its part. Step 100 stays the latest, for both nodes' resumes.
+    shard(tmp_path / "node1", 200, 1, complete=False)
+    shard(tmp_path / "node0", 200, 0, complete=True)
+    assert nodes[0].upload_newest() == "step_00000200" and nodes[0].newest_manifest()["name"] == "step_00000100"
+    for n in (0, 1):
+        fresh = AttemptSync(store, job_id=job, job_dir=tmp_path / f"new{n}", keep=2, wait_s=1, node_rank=n, nnodes=2)
+        assert fresh.restore() is None
+        got = tmp_path / f"new{n}" / "checkpoints" / "step_00000100"
+        assert sorted(p.name for p in got.iterdir()) == sorted(manifest["files"])
+        assert not (tmp_path / f"new{n}" / "checkpoints" / "step_00000200").exists()
+
+    # Retention: the manifests, files and parts of checkpoints past keep_checkpoints go.
+    for step in (300, 400):
+        shard(tmp_path / "node1", step, 1, complete=False)
+        shard(tmp_path / "node0", step, 0, complete=True)
+        nodes[0].upload_newest()
+        nodes[1].upload_newest()
+    assert [k.rsplit("/", 1)[1] for _, k in nodes[0]._manifests()] == ["step_00000300.json", "step_00000400.json"]
+    assert not store.list(part_key(job, "step_00000100")) and not store.list(checkpoint_key(job, "step_00000200"))
+
+
+class DownStore(DirectoryStore):
+    """Down for its first `down` uploads, then back."""
+
+    def __init__(self, root: Path, down: int):
+        super().__init__(root)
+        self.down = down
+
+    def put_file(self, key, file):
+        if self.down > 0:
+            self.down -= 1
+            raise StoreUnavailable(f"the store {self.url} is unreachable (upload {key}): timed out")
+        super().put_file(key, file)
+
+
+def test_the_jobs_events_say_once_that_its_checkpoints_wait_for_the_store_and_when_it_is_back(tmp_path):
+    store, notes = DownStore(tmp_path / "store", down=4), []
+    (tmp_path / "store").mkdir()
+    sync = AttemptSync(store, job_id=new_job_id(), job_dir=tmp_path / "job", keep=2, wait_s=30,
+                       note=lambda kind, detail: notes.append((kind, detail)))
+    shard(tmp_path / "job", 100, 0, complete=True)
+    sync.start()
+    try:
+        wait_for(lambda: sync.stored_step == 100, 30, what="the checkpoint stored once the store is back")
+    finally:
+        assert sync.finish(succeeded=True) is None
+    assert [k for k, _ in notes] == [WAITING, BACK]
+    assert store.url in notes[0][1] and "trains on" in notes[0][1] and "step_00000100" in notes[1][1]
+
+
+def test_an_attempt_that_merely_sees_its_lease_run_out_waits_for_it_before_storing_its_outcome(tmp_path):
+    """A renewal the database was slow for must not make a job succeed without its artifacts in the store; a lease
+    really lost stores nothing (another attempt has the job)."""
+    store, job = DirectoryStore(tmp_path / "store"), new_job_id()
+    (tmp_path / "store").mkdir()
+    (tmp_path / "job" / "artifacts").mkdir(parents=True)
+    (tmp_path / "job" / "artifacts" / "model.pt").write_bytes(b"w")
+    confirmed_at, ticks = time.monotonic() + 1.5, []
+    sync = AttemptSync(store, job_id=job, job_dir=tmp_path / "job", keep=2, wait_s=30,
+                       stale=lambda: time.monotonic() < confirmed_at, alive=lambda: ticks.append(1))
+    assert sync.finish(succeeded=True) is None and time.monotonic() >= confirmed_at
+    assert store.head(artifact_key(job, "model.pt")) is not None and ticks  # the lease kept ticking meanwhile
+    other = new_job_id()
+    lost = AttemptSync(store, job_id=other, job_dir=tmp_path / "job", keep=2, wait_s=30, stale=lambda: True,
+                       lost=lambda: True)
+    assert lost.finish(succeeded=True) is None and not store.list(artifact_key(other))
+
+
+def test_a_store_paused_while_the_job_trains_delays_its_checkpoints_and_loses_nothing(moto_process, postgres_url,
+                                                                                      tmp_path):
+    url = f"s3://{BUCKET}/paused"
+    with live_stack(postgres_url, tmp_path / "data", name="store-paused", workers=0, storage_url=url,
+                    storage_dir=tmp_path / "api", store_timeout_s=1, store_wait_s=60) as stack:
+        stack.add_workers(1, env={"TRAINJOBS_STORAGE_DIR": str(tmp_path / "worker")})
+        api = stack.client(timeout=10)
+        spec = mlp_spec(name="store-paused", fault_injection={"sleep_per_step_s": 0.01, "rank": 0},
+                        train={"max_steps": 1500, "log_every": 50, "checkpoint_every": 250, "keep_checkpoints": 3})
+        job_id = api.post("/v1/jobs", json=spec).json()["id"]
+        probe = AttemptSync(open_store(stack.settings), job_id=job_id, job_dir=tmp_path / "probe", keep=3, wait_s=1)
+        wait_for(lambda: (m := probe.newest_manifest()) and m["step"] >= 250, 120, what="a first stored checkpoint")
+        moto_process.send_signal(signal.SIGSTOP)  # the store stops answering: connections hang, then time out
+        try:
+            wait_for(lambda: WAITING in [k for k, _ in job_events(postgres_url, job_id)], 60,
+                     what="the job's event saying its checkpoints wait")
+            paused_at = api.get(f"/v1/jobs/{job_id}").json()["progress"]["step"]
+            wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["progress"]["step"] >= paused_at + 100, 60,
+                     what="training going on while the store is down")
+        finally:
+            moto_process.send_signal(signal.SIGCONT)
+        job = wait_terminal(api, job_id, timeout=180)
+        assert job["status"] == "succeeded", job["error"]
+        kinds = [k for k, _ in job_events(postgres_url, job_id)]
+        assert kinds.count(WAITING) == 1 and BACK in kinds[kinds.index(WAITING):]
+        # Nothing lost: the job's last checkpoint is stored whole (those the outage skipped were superseded), the
+        # ones kept are at most keep_checkpoints, and its model is served.
+        manifests = [json.loads(probe.store.get_bytes(key)) for _, key in probe._manifests()]
+        assert manifests[-1]["step"] == 1500 and len(manifests) <= 3
+        for m in manifests:
+            assert {o.key.rsplit("/", 1)[1]: o.size for o in probe.store.list(checkpoint_key(job_id, m["name"]))
+                    } == {rel.rsplit("/", 1)[-1]: size for rel, size in m["files"].items()}
+        assert api.get(f"/v1/jobs/{job_id}/artifacts/model.pt").content == \
+            (tmp_path / "worker" / "jobs" / job_id / "artifacts" / "model.pt").read_bytes()
+        api.close()
+
+
+def test_a_two_node_gang_killed_with_its_workers_resumes_each_nodes_shards_from_the_store(moto_process, postgres_url,
+                                                                                          tmp_path):
+    url, dirs = f"s3://{BUCKET}/gang", {n: tmp_path / n for n in ("a0", "a1", "b0", "b1", "api")}
+    # NOTE: sandbox off: rank 0 names the checkpoint to load by its own path, which under a sandbox another node
+    # of this one machine cannot see; machines of a real pool share the TRAINJOBS_STORAGE_DIR path, not its disk.
+    env = {"TRAINJOBS_SANDBOX": "off"}
+    with live_stack(postgres_url, tmp_path / "data", name="store-gang", workers=0, storage_url=url,
+                    storage_dir=dirs["api"], lease_s=4.0, heartbeat_s=0.5, sweep_s=0.5, gang_timeout_s=20,
+                    store_wait_s=30) as stack:
+        first = [stack.add_workers(1, ["--slots", "1"], env={**env, "TRAINJOBS_STORAGE_DIR": str(dirs[n])})[0]
+                 for n in ("a0", "a1")]
+        api = stack.client(timeout=10)
+        spec = mlp_spec(name="store-gang", resources={"nnodes": 2, "nproc_per_node": 1, "device": "cpu"},
+                        max_retries=1, fault_injection={"sleep_per_step_s": 0.01, "rank": 0},
+                        train={"max_steps": 1200, "log_every": 50, "checkpoint_every": 200, "keep_checkpoints": 2})
+        job_id = api.post("/v1/jobs", json=spec).json()["id"]
+        probe = AttemptSync(open_store(stack.settings), job_id=job_id, job_dir=tmp_path / "probe", keep=2, wait_s=1)
+        wait_for(lambda: (m := probe.newest_manifest()) and m["step"] >= 400, 180, what="a gang checkpoint stored")
+        stored = probe.newest_manifest()
+        assert {"__0_0.distcp", "__1_0.distcp", "COMPLETE"} <= set(stored["files"])  # both nodes' shards
+        tree = [p for w in first for p in (psutil.Process(w.pid), *psutil.Process(w.pid).children(recursive=True))]
+        for proc in tree:  # both machines gone, with their disks
+            proc.kill()
+        psutil.wait_procs(tree, timeout=10)
+        subprocess.run(["rm", "-rf", str(dirs["a0"]), str(dirs["a1"])], check=True)
+
+        for n in ("b0", "b1"):
+            stack.add_workers(1, ["--slots", "1"], env={**env, "TRAINJOBS_STORAGE_DIR": str(dirs[n])})
+        job = wait_terminal(api, job_id, timeout=240)
+        assert job["status"] == "succeeded", job["error"]
+        second = [a for a in api.get(f"/v1/jobs/{job_id}/attempts").json()["data"] if a["status"] == "succeeded"]
+        assert sorted(a["node_rank"] for a in second) == [0, 1]
+        resumed = {a["resumed_from_step"] for a in second}
+        assert len(resumed) == 1 and resumed.pop() >= stored["step"]
+        # Node 1 fetched the checkpoint into its own dir before its ranks began: with node 0's files, which its own
+        # ranks never write (node 0's ranks prune their folder as they go, node 1's keep theirs).
+        folders = [dirs[n] / "jobs" / job_id / "checkpoints" / f"step_{second[0]['resumed_from_step']:08d}"
+                   for n in ("b0", "b1")]
+        assert [f for f in folders if f.is_dir() and {".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp"}
+                <= set(os.listdir(f))]
+        assert probe.newest_manifest()["step"] == 1200 and len(probe._manifests()) == 2
+        api.close()
