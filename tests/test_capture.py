@@ -1,9 +1,11 @@
-"""trainjobs/capture without a worker: the sink's bounds, the import hook's laziness and cost, the off switch, a
-failing hook, and the frameworks' stop on the supervisor's PREEMPT_SIGNAL with a resume from the saved checkpoint
-(torchrun running worker/user_main.py as the worker starts it, outside the sandbox)."""
+"""trainjobs/capture without a worker: the sink's bounds (a million tags, 10 kB names, NaN, huge values), the import
+hook's laziness and cost, the off switch, a failing hook, tensorboardX, a Trainer's own TensorBoard/MLflow reporting
+not doubled, and the frameworks' stop on PREEMPT_SIGNAL or SIGTERM with a resume from the saved checkpoint (torchrun
+running worker/user_main.py as the worker starts it, outside the sandbox)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,12 +40,15 @@ def metrics_file(tmp_path, monkeypatch) -> Path:
 
 def test_the_sink_bounds_untrusted_input_with_one_line_each_and_keeps_the_rest(metrics_file, capsys):
     sink = Sink(rank0=True)
+    # A NaN, an inf, a name of 10 kB, values that are no scalar (text, 10 MB of it, a million-element list).
     sink.scalars(1, {"loss": 1.0, "epoch": 0, "nan": float("nan"), "inf": float("-inf"), "x" * 10_000: 1.0,
-                     "text": "high"})
+                     "text": "high", "huge_text": "9" * 10_000_000, "huge_list": [1.0] * 1_000_000})
     sink.scalars(-1, {"loss": 2.0})
     sink.scalars("2", {"loss": 2.0})
-    for i in range(MAX_NAMES + 5_000):
+    started = time.monotonic()
+    for i in range(1_000_000):  # a million distinct tags
         sink.scalar(f"tag{i}", 1.0, 3)
+    assert time.monotonic() - started < 60  # ~4 us a point on a loaded 2-core machine
     sink.scalars(4, {"loss": 0.5, "epoch": 1})
     sink.scalars(4, {"epoch": 1})  # the same name again at the same step: stored once
     sink.at_exit()
@@ -53,6 +58,9 @@ def test_the_sink_bounds_untrusted_input_with_one_line_each_and_keeps_the_rest(m
                  f"points under names past the first {MAX_NAMES:,}"):
         assert err.count(f"[trainjobs] capture: {kind} are not stored (the first: ") == 1, kind
     assert "[trainjobs] capture: not stored, in all: " in err and "non-finite values (NaN, inf): 2;" in err
+    assert f"points under names past the first {MAX_NAMES:,}: {1_000_000 - MAX_NAMES + 4:,}" in err
+    assert "values that are not numbers: 3" in err
+    assert metrics_file.stat().st_size < 2_000_000  # what reached the job's metrics file is bounded too
     written = records(metrics_file)
     points = [(r["step"], name) for r in written if r["type"] == "metrics" for name in r["metrics"]]
     assert len(points) == len(set(points))
@@ -148,6 +156,26 @@ def test_an_error_inside_capture_never_fails_the_script(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") and p.stat().st_size > 100 for p in (tmp_path / "tb").iterdir())
 
 
+TBX_SCRIPT = """
+from tensorboardX import SummaryWriter
+writer = SummaryWriter({logdir!r})
+for step in (1, 2):
+    writer.add_scalar("loss", 1.0 / step, step)
+writer.add_scalars("lr", {{"head": 0.1, "body": 0.01}}, 2)
+writer.close()
+"""
+
+
+def test_tensorboardx_scalars_are_captured_as_torch_s_summarywriter_s_are(tmp_path):
+    pytest.importorskip("tensorboardX")
+    done, written = run_user_main(tmp_path, TBX_SCRIPT.format(logdir=str(tmp_path / "tbx")))
+    assert done.returncode == 0, done.stderr
+    points = [(r["step"], r["metrics"]) for r in written if r["type"] == "metrics"]
+    assert points == [(1, {"loss": 1.0}), (2, {"loss": 0.5}), (2, {"lr/head": 0.1}), (2, {"lr/body": 0.01})]
+    assert written[-1]["type"] == "summary" and written[-1]["summary"]["lr/body"] == 0.01
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tbx").iterdir())
+
+
 def start_ranks(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.Popen, Path]:
     """torchrun over worker/user_main.py with 2 ranks, PREEMPT_SIGNAL ignored until a rank handles it (as the worker
     starts it); the checkpoint dir is shared across calls, the metrics file is this attempt's."""
@@ -164,36 +192,46 @@ def start_ranks(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.Pop
     return proc, run_dir / "metrics.jsonl"
 
 
-def preempt_once_past(proc: subprocess.Popen, metrics: Path, step: int) -> tuple[str, list[dict]]:
-    """PREEMPT_SIGNAL to the ranks (as the supervisor sends it) once training passed `step`; their output."""
+def stop_once_past(proc: subprocess.Popen, metrics: Path, step: int, sig: int) -> tuple[str, list[dict]]:
+    """Once training passed `step`: PREEMPT_SIGNAL to the ranks (as the supervisor sends it), or SIGTERM to torchrun
+    (a cancel, a hand-back: torchrun forwards it to the ranks and waits for them); their output."""
     wait_for(lambda: any(r["type"] == "metrics" and r["step"] >= step for r in records(metrics)), 120,
              what=f"training to pass step {step}")
-    assert processes.signal_ranks(proc.pid, PREEMPT_SIGNAL) == 2
-    out, _ = proc.communicate(timeout=60)
+    if sig == PREEMPT_SIGNAL:
+        assert processes.signal_ranks(proc.pid, PREEMPT_SIGNAL) == 2
+    else:
+        proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=90)
     return out, records(metrics)
 
 
-@pytest.mark.parametrize(("script", "first", "then", "checkpoint"), [
-    ("hf_trainer.py", ["--steps", "3000", "--log-every", "10", "--save-every", "100000"],
-     ["--steps", "{end}", "--log-every", "10", "--save-every", "100000"], "checkpoint-{step}"),
-    ("lightning_module.py", ["--steps", "3000", "--log-every", "10"], ["--steps", "{end}", "--log-every", "10"],
-     "last.ckpt"),
-])
-def test_preempted_ranks_save_at_one_step_and_the_next_attempt_resumes_there(tmp_path, script, first, then,
-                                                                            checkpoint):
-    proc, metrics = start_ranks(tmp_path, script, *first)
-    out, written = preempt_once_past(proc, metrics, 20)
-    assert proc.returncode == 0, out[-3000:]
-    preempted = [r["step"] for r in written if r["type"] == "preempted"]
-    assert len(preempted) == 1, out[-3000:]
-    step = preempted[0]
-    assert out.count("[trainjobs] capture: preempted: sav") == 1  # rank 0's line alone
-    assert not any(r["type"] == "summary" for r in written)  # not done: the job goes back to the queue
+HF_RUN = ["--steps", "{end}", "--log-every", "10", "--save-every", "100000"]
+LIGHTNING_RUN = ["--steps", "{end}", "--log-every", "10"]
+
+
+@pytest.mark.parametrize(("script", "args", "checkpoint", "sig"), [
+    ("hf_trainer.py", HF_RUN, "checkpoint-{step}", PREEMPT_SIGNAL),
+    ("lightning_module.py", LIGHTNING_RUN, "last.ckpt", PREEMPT_SIGNAL),
+    ("hf_trainer.py", HF_RUN, "checkpoint-{step}", signal.SIGTERM),
+    ("lightning_module.py", LIGHTNING_RUN, "last.ckpt", signal.SIGTERM),
+], ids=["hf-preempt", "lightning-preempt", "hf-sigterm", "lightning-sigterm"])
+def test_stopped_ranks_save_at_one_step_and_the_next_attempt_resumes_there(tmp_path, script, args, checkpoint, sig):
+    proc, metrics = start_ranks(tmp_path, script, *(a.format(end=3000) for a in args))
+    out, written = stop_once_past(proc, metrics, 20, sig)
+    why = "preempted" if sig == PREEMPT_SIGNAL else "SIGTERM"
+    assert out.count(f"[trainjobs] capture: {why}: sav") == 1, out[-3000:]  # rank 0's line alone
+    step = int(out.split(f"[trainjobs] capture: {why}: sav")[1].split(" at step ")[1].split()[0].rstrip(";"))
+    if sig == PREEMPT_SIGNAL:  # the job goes back to the queue, no retry spent: the ranks exit 0, `preempted`
+        assert proc.returncode == 0, out[-3000:]
+        assert [r["step"] for r in written if r["type"] == "preempted"] == [step]
+    else:
+        assert not any(r["type"] == "preempted" for r in written)
+    assert not any(r["type"] == "summary" for r in written)  # not done
     assert (tmp_path / "checkpoints" / checkpoint.format(step=step)).exists()
 
     end = step + 30
     started = time.monotonic()
-    proc, metrics = start_ranks(tmp_path, script, *(a.format(end=end) for a in then))
+    proc, metrics = start_ranks(tmp_path, script, *(a.format(end=end) for a in args))
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     written = records(metrics)
@@ -201,3 +239,15 @@ def test_preempted_ranks_save_at_one_step_and_the_next_attempt_resumes_there(tmp
     steps = [r["step"] for r in written if r["type"] == "metrics" and r["metrics"]]
     assert steps and min(steps) > step - 10  # no step before the checkpoint is trained again
     assert written[-1]["type"] == "summary" and time.monotonic() - started < 120
+
+
+@pytest.mark.parametrize("report_to", ["tensorboard", "mlflow"])
+def test_a_trainer_reporting_to_tensorboard_or_mlflow_itself_gives_each_series_once(tmp_path, report_to):
+    proc, metrics = start_ranks(tmp_path, "hf_trainer.py", "--steps", "10", "--log-every", "5", "--report-to",
+                                report_to)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:]
+    points = [(r["step"], name) for r in records(metrics) if r["type"] == "metrics" for name in r["metrics"]]
+    assert len(points) == len(set(points))  # no point twice
+    assert [s for s, n in points if n == "loss"] == [5, 10]
+    assert not [n for _, n in points if n.startswith(("train/", "eval/"))]  # not its integration's copies too

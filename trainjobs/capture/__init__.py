@@ -24,12 +24,13 @@ worker/user_main.py calls install() on every rank of an entrypoint job before th
   While a Trainer logs through its own TensorBoard or MLflow integration, those hooks stay quiet (Sink.muted):
   one series per name, not two.
 - **Bounds and safety** (sink.py): global rank 0 alone reports (no duplicates under DDP); NaN/inf, names past 64
-  characters, more than 10,000 names, bad steps are dropped with one line each in the job's log; an exception in
-  a hook turns that source off with one line, and the script goes on.
+  characters, more than 10,000 names, values that are no number, bad steps are dropped with one line each in the
+  job's log; an exception in a hook turns that source off with one line, and the script goes on. No event file is
+  read: the values come from the calls.
 - **Resume and preemption** (hf.py, lightning.py, stop.py): a Trainer whose output_dir (Lightning: ModelCheckpoint's
   dirpath) lies in TRAINJOBS_CHECKPOINT_DIR resumes from the newest checkpoint there when train()/fit() is not
   told otherwise; on SIGTERM or PREEMPT_SIGNAL HF's Trainer saves a checkpoint at a step the ranks agree on and
-  stops, Lightning saves last.ckpt in its checkpoint dir as it stops; on PREEMPT_SIGNAL rank 0 then reports
+  stops, Lightning stops there too and saves last.ckpt in its checkpoint dir; on PREEMPT_SIGNAL rank 0 then reports
   `preempted` (the job goes back to the queue, no retry spent).
 
 TRAINJOBS_CAPTURE=0 in a job's env turns all of it off (a script that reports through trainjobs.report itself

@@ -95,6 +95,7 @@ def make_callback(base: type, sink: Sink) -> type:
             sink.guard(SOURCE, sink.beat, state.global_step)
             if self.stop.handling and sink.guard("preemption", self.stop.due, state.global_step):
                 self.stopped = control.should_save = control.should_training_stop = True
+                sink.interrupted()
                 if sink.rank0:
                     why = "preempted" if self.stop.preempt else "SIGTERM"
                     say(f"{why}: saving a checkpoint at step {state.global_step} and stopping")

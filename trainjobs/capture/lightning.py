@@ -9,17 +9,19 @@
   loop's on_run_end (the summary: callback_metrics, global_step, steps/s) are wrapped, not hooked by a Callback:
   Lightning calls every hook of every Callback on every step (~8 us a step measured for one that does nothing, 1% of
   a tiny model's step), a wrapper costs one call.
-- Preemption: Lightning's own SIGTERM handler (every rank agrees through its per-step broadcast) raises
-  SIGTERMException; PREEMPT_SIGNAL (the supervisor's "checkpoint and exit") is made to do the same, at a step every
-  rank agreed on (stop.py). On it, `last.ckpt` is saved into the ModelCheckpoint's dirpath when that lies in
-  TRAINJOBS_CHECKPOINT_DIR (and, for PREEMPT_SIGNAL, rank 0 reports `preempted`: the job goes back to the queue); a
-  later fit() there with no ckpt_path resumes from it ("last").
+- Preemption: SIGTERM and PREEMPT_SIGNAL (the supervisor's "checkpoint and exit") set a flag; at a step every rank
+  agreed on (stop.py) Lightning's own received_sigterm is set on all of them, and Lightning's SIGTERM path stops the
+  run (SIGTERMException). Lightning's own SIGTERM handler is replaced for it where the script added none to it (it
+  broadcasts from inside the handler: see Run.start). On it, `last.ckpt` is saved into the ModelCheckpoint's dirpath
+  when that lies in TRAINJOBS_CHECKPOINT_DIR (and, for PREEMPT_SIGNAL, rank 0 reports `preempted`: the job goes back
+  to the queue); a later fit() there with no ckpt_path resumes from it ("last").
 """
 
 import functools
 import importlib
 import math
 import os
+import signal
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -117,18 +119,24 @@ class Run:
         if isinstance(total, int) or (isinstance(total, float) and math.isfinite(total)):
             self.sink.total_steps(int(total))
         self.sink.resumed(trainer.global_step)
-        # Lightning handles SIGTERM itself (its teardown puts back the handlers it found, ours included).
+        # NOTE: Lightning's own SIGTERM handler (registered as fit() began) broadcasts on the default process group from
+        # inside the handler: a rank signalled during a gradient all-reduce then pairs the wrong collectives, and DDP
+        # dies (measured: 2 gloo ranks, SIGTERM through torchrun: "Connection closed by peer", no checkpoint). Where
+        # it is Lightning's alone (the script added none), ours replaces it: a flag, and a step the ranks agree on.
+        # Lightning's teardown puts back the handlers it found.
         self.stop = StopOnSignal()
-        self.sink.guard("preemption", self.stop.install, (PREEMPT_SIGNAL,))
+        current = signal.getsignal(signal.SIGTERM)
+        signals = (signal.SIGTERM, PREEMPT_SIGNAL) if lightning_s_alone(current, trainer) else (PREEMPT_SIGNAL,)
+        self.sink.guard("preemption", self.stop.install, signals, replacing=(current,))
 
     def stepped(self, trainer: Any) -> None:
-        sink = self.sink
+        sink, step = self.sink, trainer.global_step  # a property chain (~0.5 us): read once
         if sink.rank0 and SOURCE not in sink.off:
-            sink.guard(SOURCE, sink.beat, trainer.global_step)
+            sink.guard(SOURCE, sink.beat, step)
         # NOTE: set on every rank after the step they agreed on, so all stop at the next batch (Lightning broadcasts
         # rank 0's flag under DDP): set from the handler, each rank would stop at its own step, and DDP hang.
-        if self.stop.handling and sink.guard("preemption", self.stop.due, trainer.global_step):
-            self.preempt = True
+        if self.stop.handling and sink.guard("preemption", self.stop.due, step):
+            self.preempt = self.stop.preempt
             trainer._signal_connector.received_sigterm = True
 
     def end(self, trainer: Any) -> None:
@@ -144,6 +152,7 @@ class Run:
     def save(self, trainer: Any) -> None:
         """On SIGTERMException (Lightning's SIGTERM, or our PREEMPT_SIGNAL): last.ckpt where fit() resumes from."""
         why = "preempted" if self.preempt else "SIGTERM"
+        self.sink.interrupted()  # not done: no summary
         if (folder := checkpoint_dir(trainer)) is not None:
             path = os.path.join(folder, "last.ckpt")
             trainer.save_checkpoint(path)  # every rank: it ends in a barrier
@@ -151,6 +160,14 @@ class Run:
                 say(f"{why}: saved {path} at step {trainer.global_step}; the next attempt resumes from it")
         if self.preempt:
             self.sink.preempted(trainer.global_step)
+
+
+def lightning_s_alone(handler: Any, trainer: Any) -> bool:
+    """SIGTERM's handler is the one Lightning's signal connector made, composing none of the script's."""
+    connector = getattr(trainer, "_signal_connector", None)
+    found = getattr(handler, "signal_handlers", None)
+    return (connector is not None and isinstance(found, list) and bool(found)
+            and all(getattr(h, "__self__", None) is connector for h in found))
 
 
 def checkpoint_dir(trainer: Any) -> str | None:

@@ -45,7 +45,7 @@ def patch_fluent(module: ModuleType, sink: Sink) -> None:
             sink.param(key, value)
 
     def end_run(*args: Any, **kwargs: Any) -> None:
-        if sink.dirty:
+        if sink.dirty and not sink.stopped:
             sink.summary()
 
     for name, capture in (("log_metric", log_metric), ("log_metrics", log_metrics), ("log_param", log_param),

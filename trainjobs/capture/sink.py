@@ -72,7 +72,7 @@ class Sink:
         self.off: set[str] = set()  # sources turned off after an error
         self.extra: dict[str, Any] = {}  # a framework's own final figures, for the summary
         self.dirty = False  # taken in since the last summary
-        self.stopped = False  # preempted: no summary at exit (the job is not done)
+        self.stopped = False  # stopped by a signal: no summary at exit (the job is not done)
         self._beat = 0.0
         self._out: Reporter | None = None
         self._local = threading.local()
@@ -175,7 +175,12 @@ class Sink:
         """Stopped at `step` on PREEMPT_SIGNAL, its checkpoint saved: the job goes back to the queue, no summary."""
         if self.rank0 and isinstance(step, int) and 0 <= step < STEP_MAX:
             self.out().preempted(step)
-            self.dirty, self.stopped = False, True
+            self.interrupted()
+
+    def interrupted(self) -> None:
+        """Stopped by a signal before its end (a cancel, a hand-back, a preemption): no summary at exit, the job
+        is not done."""
+        self.dirty, self.stopped = False, True
 
     def summary(self, values: Mapping[str, Any] | None = None) -> None:
         """The job's summary: the last value of each series, the framework's own final figures, MLflow params."""
