@@ -1,65 +1,168 @@
-"""The device check: an NCCL DDP job and an FSDP bf16 job through the real service, on one machine.
+"""The device check (issue 34), one script for a lent GPU machine: the built-in GPT through the real service.
 
-Prints, for each: the plan's per-device estimate beside the measured peak (torch.cuda.max_memory_allocated
-of rank 0, from the job's summary), measured / plan, tokens/s and MFU, and the use the worker sampled
-(`gpu_util`, `gpu_mem`: worker/usage.py, NVML or nvidia-smi; on CPU `cpu_util/rank<r>`). `--device cpu` runs the same on
-gloo as a dry run (no MFU; the peak is RSS there). One script, so a lent GPU machine runs it in one call.
+On one GPU: DDP and FSDP, torch.compile on and off (most telling first); with more GPUs, the same compiled on all
+of them (NCCL). One table: the plan's per-device memory beside the measured peak (torch's allocator, and NVML's),
+tokens/s, MFU against the device's bf16 peak (trainjobs/peaks.py), GPU busy %. The micro-batch is the largest
+the memory plan fits (trainjobs/plan.py, with its headroom), capped by --max-batch. Jobs start only while the
+--budget-s lasts (default 8 minutes, all in); a skipped row says so.
+
+`--dry-run` plans every row and prints the table's head without a service or a GPU (a CPU test runs it);
+`--device cpu --size small` runs the same rows for real on gloo (no MFU: a CPU has no peak in the table).
 """
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import bench_stack, wait_job  # noqa: E402
+from trainjobs.plan import WorkerMemory, make_plan  # noqa: E402
+from trainjobs.spec import JobSpec  # noqa: E402
+
+SIZES = {  # ~0.94B parameters: the class the issue's MFU goal names; and a toy for CPU runs
+    "large": {"type": "gpt", "n_layer": 16, "n_head": 16, "d_model": 2048, "seq_len": 1024, "vocab_size": 32768},
+    "small": {"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 32, "vocab_size": 256},
+}
+JOB_START_S = 90  # a row starts only with this much budget left (start, compile, steps, the final save)
 
 
-def spec(strategy: str, device: str, nproc: int, size: str) -> dict:
-    big = size == "large"
-    model = ({"type": "gpt", "n_layer": 12, "n_head": 16, "d_model": 1024, "seq_len": 1024, "vocab_size": 32768}
-             if big else {"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 32, "vocab_size": 256})
+@dataclass(frozen=True)
+class Row:
+    strategy: str
+    compile: bool
+    nproc: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy} {'compiled' if self.compile else 'eager'} x{self.nproc}"
+
+
+def rows(gpus: int) -> list[Row]:
+    one = [Row("fsdp", True, 1), Row("ddp", True, 1), Row("fsdp", False, 1), Row("ddp", False, 1)]
+    return one + ([Row("fsdp", True, gpus), Row("ddp", True, gpus)] if gpus > 1 else [])
+
+
+def spec(row: Row, *, device: str, size: str, batch: int, steps: int, gpu_memory_gb: float | None) -> dict:
     return {
-        "name": f"device-{strategy}", "strategy": strategy,
-        "resources": {"nproc_per_node": nproc, "device": device},
-        "model": model,
-        "data": {"type": "synthetic_lm", "num_samples": 20_000 if big else 512, "batch_size": 8 if big else 4},
+        "name": f"device-{row.strategy}-{'compiled' if row.compile else 'eager'}-{row.nproc}",
+        "strategy": row.strategy,
+        "resources": {"nproc_per_node": row.nproc, "device": device, "gpu_memory_gb": gpu_memory_gb},
+        "model": SIZES[size],
+        "data": {"type": "synthetic_lm", "num_samples": batch * row.nproc * (steps + 2), "batch_size": batch},
         "optimizer": {"type": "adamw", "lr": 3e-4},
-        "train": {"max_steps": 60 if big else 10, "log_every": 10 if big else 5},
+        "train": {"max_steps": steps, "log_every": max(1, steps // 4), "compile": row.compile},
         "fsdp": {"mixed_precision": "bf16" if device == "cuda" else "fp32"},
         "timeout_s": 900,
     }
 
 
+def largest_batch(row: Row, *, device: str, size: str, steps: int, gpu_memory_gb: float | None,
+                  workers: list[WorkerMemory], cap: int) -> tuple[int, int]:
+    """The largest power-of-two micro-batch (<= cap) whose plan fits the device with the plan's headroom, and its
+    estimate in bytes (batch 1 when even that does not fit: the job then says why)."""
+    best, estimate = 1, 0
+    batch = 1
+    while batch <= cap:
+        plan = make_plan(JobSpec.model_validate(spec(row, device=device, size=size, batch=batch, steps=steps,
+                                                     gpu_memory_gb=gpu_memory_gb)), workers)
+        need = getattr(plan, row.strategy).total_bytes
+        if need > plan.limit_gib * 2**30:
+            break
+        best, estimate, batch = batch, need, batch * 2
+    return best, estimate
+
+
+def header() -> str:
+    return (f"{'row':<20} {'batch':>5} {'plan MB':>9} {'peak MB':>9} {'NVML MB':>9} {'peak/plan':>9} "
+            f"{'tokens/s':>11} {'MFU':>6} {'GPU %':>5} {'loss':>6}  status")
+
+
+def line(row: Row, batch: int, plan_mb: float, job: dict | None, note: str = "") -> str:
+    """One row of the table from the job as GET /v1/jobs/{id} returns it (None: not run)."""
+    if job is None or job.get("status") != "succeeded":
+        status = note or (f"{job['status']}: {(job.get('error') or {}).get('message', '')[:60]}" if job else "")
+        blank = f"{'':>9} {'':>9} {'':>9} {'':>11} {'':>6} {'':>5} {'':>6}"
+        return f"{row.label:<20} {batch:>5} {plan_mb:>9.0f} {blank}  {status}"
+    perf, summary = job.get("performance") or {}, job.get("summary") or {}
+    peak = (job.get("memory") or {}).get("measured_peak_mb")
+
+    def num(value, spec_: str) -> str:
+        return format(value, spec_) if isinstance(value, int | float) else "-"
+
+    mfu = f"{100 * perf['mfu']:.1f}%" if isinstance(perf.get("mfu"), float) else "n/a"
+    ratio = peak / plan_mb if isinstance(peak, int | float) and plan_mb else None
+    return (f"{row.label:<20} {batch:>5} {plan_mb:>9.0f} {num(peak, '9.0f'):>9} "
+            f"{num(perf.get('gpu_mem_peak_mb'), '9.0f'):>9} {num(ratio, '9.2f'):>9} "
+            f"{num(perf.get('tokens_per_s'), '11,.0f'):>11} {mfu:>6} {num(perf.get('gpu_util'), '5.0f'):>5} "
+            f"{num(summary.get('final_loss'), '6.3f'):>6}  ok")
+
+
+def gpu_memory_mib() -> list[int]:
+    """Each GPU's total memory as nvidia-smi lists it (none without nvidia-smi)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=False).stdout
+    return [int(float(v)) for v in out.split() if v.replace(".", "", 1).isdigit()]
+
+
+def run_row(api, job_spec: dict) -> dict:
+    from bench.common import wait_job
+
+    job = api.post("/v1/jobs", json=job_spec).json()
+    if "id" not in job:
+        return {"status": "refused", "error": {"message": str(job)[:200]}}
+    return wait_job(api, job["id"], poll_s=1.0, timeout=900)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--nproc", type=int, default=1)
-    parser.add_argument("--size", choices=["large", "small"], default="large")
-    args = parser.parse_args()
+    parser.add_argument("--size", choices=list(SIZES), default=None, help="default: large on cuda, small on cpu")
+    parser.add_argument("--gpus", type=int, default=None, help="default: what nvidia-smi lists (1 on cpu)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None, help="for the plan; default: the worker's")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--budget-s", type=float, default=480)
+    parser.add_argument("--dry-run", action="store_true", help="plan and print the rows; run nothing")
+    args = parser.parse_args(sys.argv[1:])
+    started = time.monotonic()
+    size = args.size or ("large" if args.device == "cuda" else "small")
+    memory = gpu_memory_mib() if args.device == "cuda" else []
+    gpus = args.gpus if args.gpus is not None else (len(memory) if args.device == "cuda" else 1)
+    # The plan reads the smallest GPU as a live worker reports it (none listed: the plan's 80 GiB default).
+    workers = [WorkerMemory(device="cuda", gpu_count=len(memory), gpu_memory_bytes=min(memory) * 2**20)] \
+        if memory else []
+    planned = []
+    for row in rows(max(gpus, 1)):
+        batch, estimate = largest_batch(row, device=args.device, size=size, steps=args.steps,
+                                        gpu_memory_gb=args.gpu_memory_gb, workers=workers, cap=args.max_batch)
+        planned.append((row, batch, estimate / 2**20))
+    print(f"device check: {size} GPT on {args.device} ({gpus} GPU{'s' if gpus != 1 else ''} listed), "
+          f"{args.steps} steps per row, budget {args.budget_s:.0f} s", flush=True)
+    print(header(), flush=True)
+    if args.dry_run:
+        for row, batch, plan_mb in planned:
+            print(line(row, batch, plan_mb, None, "planned (dry run)"), flush=True)
+        return
+    from bench.common import bench_stack
+
     with bench_stack() as (_stack, api):
-        for strategy in ("ddp", "fsdp"):
-            job = api.post("/v1/jobs", json=spec(strategy, args.device, args.nproc, args.size)).json()
-            if "id" not in job:
-                raise SystemExit(f"submission refused: {job}")
-            job = wait_job(api, job["id"], poll_s=1.0, timeout=900)
-            if job["status"] != "succeeded":
-                logs = api.get(f"/v1/jobs/{job['id']}/logs").text
-                raise SystemExit(f"{strategy}: {job['status']}: {job['error']}\n{logs[-3000:]}")
-            s, memory = job["summary"], job["memory"]
-            ratio = memory["measured_peak_mb"] / memory["estimated_mb"] if memory["estimated_mb"] else float("nan")
-            mfu = f"{100 * s['mfu']:.1f}%" if "mfu" in s else "n/a"
-            print(f"{strategy}: {s['parameters']:,} parameters on {s['world_size']} x {s['device']}; plan "
-                  f"{memory['estimated_mb']:.0f} MB/device, measured peak {memory['measured_peak_mb']:.0f} MB, "
-                  f"measured / plan {ratio:.2f}; {s.get('tokens_per_s', 0):,.0f} tokens/s, MFU {mfu}; "
-                  f"final loss {s['final_loss']:.3f}", flush=True)
-            usage = {u["name"]: u["values"] for u in api.get(f"/v1/jobs/{job['id']}/metrics").json()["series"]
-                     if u["name"] in ("gpu_util", "gpu_mem") or u["name"].startswith("cpu_util/")}
-            print(f"{strategy}: usage sampled by the worker (worker/usage.py): " + (", ".join(
-                f"{name} median {sorted(v)[len(v) // 2]:.1f} over {len(v)} points" for name, v in sorted(usage.items()))
-                or "none"), flush=True)
-    print(f"context: {os.cpu_count()} cores; plan device memory source: {job['plan']['device_memory_source']}")
+        for row, batch, plan_mb in planned:
+            left = args.budget_s - (time.monotonic() - started)
+            if left < JOB_START_S:
+                print(line(row, batch, plan_mb, None, f"skipped: {left:.0f} s of the budget left"), flush=True)
+                continue
+            job_spec = spec(row, device=args.device, size=size, batch=batch, steps=args.steps,
+                            gpu_memory_gb=args.gpu_memory_gb)
+            job_spec["timeout_s"] = max(60, left - 10)
+            print(line(row, batch, plan_mb, run_row(api, job_spec)), flush=True)
+    print(f"context: {os.cpu_count()} cores; {time.monotonic() - started:.0f} s in all", flush=True)
 
 
 if __name__ == "__main__":

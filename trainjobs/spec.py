@@ -177,6 +177,14 @@ class TrainConfig(_Strict):
     keep_checkpoints: int = Field(2, ge=1, le=1000, description="complete checkpoints kept")
     stop_on_nan: bool = Field(True, description="fail the run (not retried) once the loss is NaN or infinite; "
                               "checked on log steps")
+    compile: bool | None = Field(None, description="torch.compile the model (each block under FSDP, the whole "
+                                 "model under DDP); null: on for CUDA, off for CPU")
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="torch.compile's backend: inductor generates kernels; aot_eager and eager only trace "
+        "(to find a compile problem)")
+    autocast: bool = Field(True, description="DDP on CUDA: the forward in bf16 autocast (parameters, gradients and "
+                           "optimizer stay fp32); false: fp32 with TF32 matmuls. FSDP's precision is "
+                           "fsdp.mixed_precision")
 
 
 class FaultInjection(_Strict):

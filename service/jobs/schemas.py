@@ -1,5 +1,6 @@
 """What the API returns for jobs."""
 
+import math
 from datetime import datetime
 from typing import Any
 
@@ -25,6 +26,28 @@ class MemoryCheck(BaseModel):
     measured_peak_mb: float | None
 
 
+class Performance(BaseModel):
+    """How fast the job trained, from its summary: the built-in runtime's, or a script's report(flops_per_step=...).
+
+    mfu is the model's FLOP/s over the devices' peak (trainjobs/peaks.py) in `precision`; it is absent where the
+    FLOPs or the device are unknown. gpu_util and gpu_mem_peak_mb are NVML's, read by rank 0 on its GPU (absent on
+    CPU); peak_mem_mb is torch's allocator peak on CUDA, the peak RSS on CPU.
+    """
+
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    mfu: float | None = None
+    flops_per_step: float | None = None
+    peak_flops: float | None = None  # of one device
+    precision: str | None = None
+    device_name: str | None = None
+    compiled: bool | None = None
+    gpu_util: float | None = None  # percent, the mean of the samples
+    gpu_mem_peak_mb: float | None = None
+    peak_mem_mb: float | None = None
+
+
 class JobPublic(BaseModel):
     id: str
     name: str
@@ -39,11 +62,14 @@ class JobPublic(BaseModel):
     error: dict[str, Any] | None
     plan: dict[str, Any] | None  # the memory plan (trainjobs/plan.py); null for an entrypoint job
     memory: MemoryCheck | None
+    performance: Performance | None = None  # throughput and MFU, once the run's summary holds them
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
     cancel_requested_at: datetime | None
-    pending_reason: str | None = None  # while queued: why no worker has taken it (no live worker fits, all busy)
+    # While queued: why no worker has taken it (no live worker fits, all busy); while starting: what its worker is
+    # doing before the ranks run (installing requirements, launching torchrun).
+    pending_reason: str | None = None
     cloned_from: str | None = None  # the job this one was cloned from (POST /v1/jobs/{id}/clone)
     warnings: list[dict[str, Any]] = []  # what a user should know while it runs: {kind, message, rank, attempt, time}
     # Why it ended where the status alone does not say: "stopped_early" (cancelled by its sweep's early stopping,
@@ -65,10 +91,10 @@ class JobPublic(BaseModel):
             id=job.id, name=job.name, owner=job.owner, status=job.status, priority=job.priority,
             spec=job.spec.model_dump(mode="json"), attempt=job.attempt, max_retries=job.max_retries,
             progress=Progress(**progress), summary=job.summary, error=job.error,
-            plan=job.plan, memory=memory_check(job),
+            plan=job.plan, memory=memory_check(job), performance=performance_of(job.summary),
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
             cancel_requested_at=job.cancel_requested_at,
-            pending_reason=job.pending_reason if job.status == "queued" else None,
+            pending_reason=job.pending_reason if job.status in ("queued", "starting") else None,
             warnings=job.warnings or [], cloned_from=job.cloned_from,
             reason=job.reason if job.status == "cancelled" else None,
             sweep_id=job.sweep_id, sweep_trial=job.sweep_trial, sweep_params=job.sweep_params,
@@ -88,6 +114,22 @@ def memory_check(job: Job) -> MemoryCheck | None:
         return None
     return MemoryCheck(estimated_mb=round(estimate / 2**20, 3) if estimate is not None else None,
                        measured_peak_mb=peak)
+
+
+def performance_of(summary: dict[str, Any] | None) -> Performance | None:
+    """The summary's performance figures; a value of the wrong type (a script writes what it likes) is left out."""
+    found = {}
+    for name, info in Performance.model_fields.items():
+        value = (summary or {}).get(name)
+        if info.annotation == str | None:
+            ok = isinstance(value, str) and len(value) <= 200
+        elif info.annotation == bool | None:
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if ok:
+            found[name] = value
+    return Performance(**found) if found.keys() - {"peak_mem_mb", "compiled", "precision"} else None
 
 
 class AttemptPublic(BaseModel):

@@ -95,12 +95,14 @@ class BatchStream:
     """Batches without end, epoch after epoch (set_epoch each time), counting where it stands."""
 
     def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
-                 epoch: int = 0, batches_in_epoch: int = 0):
+                 epoch: int = 0, batches_in_epoch: int = 0, pin_memory: bool = False):
         # drop_last keeps every rank's batch the same size, so the mean of rank means is the global mean.
         self.sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                         drop_last=True)
         self.batch_size = batch_size
-        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True)
+        # pin_memory (CUDA): batches in page-locked memory, so the step's non_blocking copy overlaps compute.
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True,
+                                 pin_memory=pin_memory)
         self.batches_per_epoch = self.sampler.num_samples // batch_size
         if self.batches_per_epoch == 0:
             raise ValueError(f"dataset of {len(dataset)} samples gives no full batch of {batch_size} "

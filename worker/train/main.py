@@ -30,10 +30,12 @@ from worker.train import own_time
 from worker.train.checkpoint import Checkpointer, Position, load_weights, save_model
 from worker.train.data import BatchStream, DataInfo, build_dataset, split_eval
 from worker.train.distributed import Dist, cleanup_and_exit, init_distributed, mean_across_ranks, peak_memory_mb
-from worker.train.flops import flops_per_sample, mfu, peak_flops
+from worker.train.fast import autocast_dtype, forward_context, matmul_precision, set_matmul_precision, use_compile
+from worker.train.flops import flops_per_sample
 from worker.train.models import build_model, loss_fn
 from worker.train.optim import build_optimizer, lr_at
 from worker.train.own_time import OwnTime
+from worker.train.perf import DeviceUse, Speed
 from worker.train.preempt import Preemption
 from worker.train.strategies import apply_strategy
 
@@ -62,10 +64,11 @@ def train(spec: JobSpec, data_dir: Path, reporter_path: Path | None) -> None:
             raise RuntimeError(spec.fault_injection.message)
         if run.fault_armed and step == spec.fault_injection.hang_at_step:
             hang_forever()
-        lr, step_loss, grad_norm = train_step(run, step)
+        logs = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps
+        lr, step_loss, grad_norm = train_step(run, step, norm=logs)
         step += 1
         metrics = {}
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
+        if logs:
             loss_value = mean_across_ranks(step_loss)  # a collective, so only on log steps
             if not math.isfinite(loss_value) and diverged_at is None:
                 diverged_at = step
@@ -105,8 +108,10 @@ class Run:
     resumed_from: Path | None  # the checkpoint it resumed from
     train_samples: int
     n_params: int
-    sample_flops: float
-    peak_flops: float | None  # of one device (CUDA only): for mfu
+    speed: Speed  # throughput and MFU from a window's steps and seconds
+    device_use: DeviceUse  # the GPU as NVML sees it (CUDA only)
+    autocast: torch.dtype | None  # DDP's forward precision on CUDA
+    compiled: bool
     base_mem_mb: float  # before the model was built: what training adds is the peak minus this
     fault_armed: bool
     own_time: OwnTime  # this rank's data and forward time, gathered per log window (stragglers)
@@ -122,6 +127,7 @@ class Run:
 def build(spec: JobSpec, data_dir: Path, reporter_path: Path | None, d: Dist) -> Run:
     """The data, the model under its strategy, the optimizer, and the newest complete checkpoint loaded."""
     cfg = spec.train
+    set_matmul_precision(d.device)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     dataset, info = build_dataset(spec, data_dir)
     train_set, eval_set = split_eval(dataset, cfg.eval_fraction if cfg.eval_every else None)
@@ -129,8 +135,10 @@ def build(spec: JobSpec, data_dir: Path, reporter_path: Path | None, d: Dist) ->
     raw_model = build_model(spec.model, info)
     n_params = sum(p.numel() for p in raw_model.parameters())
     embedding_params = sum(m.weight.numel() for m in raw_model.modules() if isinstance(m, torch.nn.Embedding))
-    model = apply_strategy(raw_model, spec.strategy, d, spec.fsdp)
-    optimizer = build_optimizer(spec.optimizer, model)
+    compiled = use_compile(spec, d.device)
+    model = apply_strategy(raw_model, spec.strategy, d, spec.fsdp,
+                           compile_backend=cfg.compile_backend if compiled else None)
+    optimizer = build_optimizer(spec.optimizer, model, d.device)
     torch.manual_seed(cfg.seed + d.rank)  # then per-rank randomness
 
     checkpoints = Checkpointer(env_path(CHECKPOINT_DIR_ENV), d, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
@@ -142,7 +150,8 @@ def build(spec: JobSpec, data_dir: Path, reporter_path: Path | None, d: Dist) ->
         if d.is_main:
             print(f"[trainjobs] initialised the model from {source}", flush=True)
     stream = BatchStream(train_set, batch_size=spec.data.batch_size, rank=d.rank, world_size=d.world_size,
-                         seed=cfg.seed, epoch=position.epoch, batches_in_epoch=position.batches_in_epoch)
+                         seed=cfg.seed, epoch=position.epoch, batches_in_epoch=position.batches_in_epoch,
+                         pin_memory=d.device.type == "cuda")
     fault = spec.fault_injection
     attempt = int(os.environ.get(ATTEMPT_ENV, "1"))
     return Run(
@@ -151,8 +160,12 @@ def build(spec: JobSpec, data_dir: Path, reporter_path: Path | None, d: Dist) ->
         # Local rank 0 of each node reports (a gang keeps a series per node); only global rank 0 the summary.
         reporter=Reporter(reporter_path, enabled=d.local_rank == 0),
         position=position, resumed_from=latest[0], train_samples=len(train_set), n_params=n_params,
-        sample_flops=flops_per_sample(spec.model, n_params, embedding_params),
-        peak_flops=peak_flops(torch.cuda.get_device_name(d.device)) if d.device.type == "cuda" else None,
+        speed=Speed(global_batch=spec.data.batch_size * d.world_size * cfg.grad_accum_steps,
+                    tokens_per_sample=info.tokens_per_sample, world_size=d.world_size,
+                    sample_flops=flops_per_sample(spec.model, n_params, embedding_params),
+                    device_name=torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else None,
+                    precision=matmul_precision(spec, d.device)),
+        device_use=DeviceUse(d.device, d.local_rank), autocast=autocast_dtype(spec, d.device), compiled=compiled,
         base_mem_mb=base_mem_mb,
         fault_armed=fault is not None and d.rank == fault.rank and fault.attempt in (None, attempt),
         own_time=OwnTime(d.device, enabled=spec.straggler.enabled),
@@ -165,8 +178,9 @@ def announce(run: Run) -> None:
     if run.d.is_main:
         print(f"[trainjobs] {spec.strategy} on {run.d.world_size} x {run.d.device.type}: {spec.model.type} with "
               f"{run.n_params:,} parameters, {run.train_samples:,} training samples, global batch "
-              f"{run.global_batch}{f' ({accum} micro-batches)' if accum > 1 else ''}, {spec.train.max_steps} steps",
-              flush=True)
+              f"{run.global_batch}{f' ({accum} micro-batches)' if accum > 1 else ''}, {spec.train.max_steps} steps"
+              f"{f', compiled ({spec.train.compile_backend})' if run.compiled else ''}"
+              f"{', bf16 autocast' if run.autocast is not None else ''}", flush=True)
         if run.resumed_from is not None:
             print(f"[trainjobs] resumed from checkpoint {run.resumed_from.name} at step {run.position.step}",
                   flush=True)
@@ -174,8 +188,12 @@ def announce(run: Run) -> None:
         run.reporter.resumed(run.position.step)
 
 
-def train_step(run: Run, step: int) -> tuple[float, torch.Tensor, torch.Tensor]:
-    """One optimizer step over grad_accum_steps micro-batches: (lr, the step's loss, the gradient norm)."""
+def train_step(run: Run, step: int, *, norm: bool = True) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+    """One optimizer step over grad_accum_steps micro-batches: (lr, the step's loss, the gradient norm).
+
+    Without optimizer.grad_clip the norm is only reported: it is taken where `norm` asks (log steps), not every
+    step (a pass over every gradient and, under FSDP, a collective).
+    """
     spec, d = run.spec, run.d
     lr = lr_at(spec.optimizer, step, spec.train.max_steps)
     for group in run.optimizer.param_groups:
@@ -191,12 +209,15 @@ def train_step(run: Run, step: int) -> tuple[float, torch.Tensor, torch.Tensor]:
                 inputs, targets = inputs.to(d.device, non_blocking=True), targets.to(d.device, non_blocking=True)
                 if slow_s and micro == 0:
                     time.sleep(slow_s)  # fault_injection.sleep_per_step_s: a straggler on purpose
-                loss = loss_fn(run.info.task, run.model(inputs), targets) / accum
+                with forward_context(run.autocast):
+                    loss = loss_fn(run.info.task, run.model(inputs), targets) / accum
             loss.backward()
         step_loss += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), spec.optimizer.grad_clip or math.inf)
-    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = None
+    if norm or spec.optimizer.grad_clip:
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), spec.optimizer.grad_clip or math.inf)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards
+            grad_norm = grad_norm.full_tensor()
     run.optimizer.step()
     return lr, step_loss, grad_norm
 
@@ -216,18 +237,16 @@ def check_finite(run: Run, loss_value: float, step: int) -> None:
 def step_metrics(run: Run, window: "Window", step: int, *, loss: float, lr: float, grad_norm: float) -> dict:
     """The metrics of a log step, throughput over the steps since the last one; printed by global rank 0."""
     steps, seconds = window.close(step)
-    samples_per_s = steps * run.global_batch / seconds
-    metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": samples_per_s,
-               "step_time_s": seconds / steps, "peak_mem_mb": peak_memory_mb(run.d.device)}
+    speed = run.speed.figures(steps, seconds)
+    metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **speed, "peak_mem_mb": peak_memory_mb(run.d.device)}
     if run.d.world_size > 1 and run.own_time.enabled:  # a collective: every rank gathers; global rank 0 reports
         metrics.update({f"{own_time.SERIES}{r}": t for r, t in enumerate(run.own_time.gather(steps))})
-    if run.info.task == "lm":
-        metrics["tokens_per_s"] = samples_per_s * run.info.tokens_per_sample
-    if run.peak_flops:
-        metrics["mfu"] = mfu(samples_per_s, run.sample_flops, run.peak_flops, run.d.world_size)
+    with window.paused():
+        run.device_use.sample()
     if run.d.is_main:
+        mfu = f" mfu {100 * speed['mfu']:.1f}%" if "mfu" in speed else ""
         print(f"step {step}/{run.spec.train.max_steps} loss {loss:.6f} lr {lr:.3g} grad_norm {grad_norm:.4f} "
-              f"samples/s {samples_per_s:.0f}", flush=True)
+              f"samples/s {speed['samples_per_s']:.0f}{mfu}", flush=True)
     return metrics
 
 
@@ -237,18 +256,16 @@ def finish(run: Run, *, step: int, wall: float, loss_value: float | None, metric
     d = run.d
     train_peak_mb = peak_memory_mb(d.device)  # before the gather of the full model for the file
     model_file = save_model(run.model, d, env_path(ARTIFACTS_DIR_ENV))
-    samples_per_s = (step - run.position.step) * run.global_batch / wall
     summary = {
         "final_loss": loss_value, "steps": step, "epochs": run.stream.epoch, "world_size": d.world_size,
-        "global_batch": run.global_batch, "wall_time_s": wall, "samples_per_s": samples_per_s,
+        "global_batch": run.global_batch, "wall_time_s": wall,
+        **run.speed.figures(max(1, step - run.position.step), wall), **run.speed.constants(),
         "peak_mem_mb": train_peak_mb, "base_mem_mb": run.base_mem_mb, "device": d.device.type,
-        "parameters": run.n_params,
+        "parameters": run.n_params, "compiled": run.compiled,
         "resumed_from_step": run.position.step if run.resumed_from is not None else None,
+        **run.device_use.summary(),
     }
-    if run.info.task == "lm":
-        summary["tokens_per_s"] = samples_per_s * run.info.tokens_per_sample
-    if run.peak_flops:
-        summary["mfu"] = mfu(samples_per_s, run.sample_flops, run.peak_flops, d.world_size)
+    run.device_use.close()
     if "eval_loss" in metrics:
         summary["eval_loss"] = metrics["eval_loss"]
     if diverged_at is not None:  # train.stop_on_nan false: it went on; say where the loss first went non-finite
@@ -321,6 +338,7 @@ class Evaluator:
             raise ValueError(f"the held-out split ({len(dataset)} samples, train.eval_fraction "
                              f"{spec.train.eval_fraction}) gives no batch of {spec.data.batch_size} per rank")
         self.batches, self.task, self.device = spec.train.eval_batches, info.task, d.device
+        self.autocast = autocast_dtype(spec, d.device)
 
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> float:
@@ -330,7 +348,8 @@ class Evaluator:
             if i == self.batches:
                 break
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-            total[0] += loss_fn(self.task, model(inputs), targets).double()
+            with forward_context(self.autocast):
+                total[0] += loss_fn(self.task, model(inputs), targets).double()
             total[1] += 1
         model.train()
         dist.all_reduce(total)

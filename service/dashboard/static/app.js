@@ -408,8 +408,9 @@ function jobView(id) {
   let jobReadAt = Date.now();
   const refreshJob = async () => {
     const { body, changed } = await getJson(base);
+    const first = job === null; // a 304 on the first read (another view read it): still this view's first render
     job = body;
-    if (changed) renderJob(body);
+    if (changed || first) renderJob(body);
   };
   const refreshAttempts = async () => renderAttempts((await (await api(`${base}/attempts`)).json()).items);
   let streamFrom = null; // the metrics answer's cursor: the stream then sends only newer points
@@ -504,6 +505,7 @@ function renderJob(job) {
   const facts = Object.entries(job.summary || {}).filter(([, v]) => typeof v === "number");
   $("job-summary").textContent = facts
     .map(([k, v]) => `${k.replaceAll("_", " ")} ${Number.isInteger(v) ? v : v.toPrecision(4)}`).join(" · ");
+  renderPerformance(job.performance);
   $("job-spec").textContent = JSON.stringify(job.spec, null, 2);
   $("job-error-box").hidden = !job.error;
   if (job.error) {
@@ -515,6 +517,21 @@ function renderJob(job) {
   $("job-warnings-box").hidden = warnings.length === 0;
   $("job-warnings").replaceChildren(...warnings.map((w) => el("li", {}, `${w.kind}: ${w.message}`)));
   renderPlan(job);
+}
+// Throughput and MFU from the run's summary (GET /v1/jobs/{id}'s `performance`); nothing where it has none.
+function renderPerformance(perf) {
+  const p = perf || {}, parts = [];
+  if (typeof p.tokens_per_s === "number") parts.push(`${fmt(p.tokens_per_s)} tokens/s`);
+  else if (typeof p.samples_per_s === "number") parts.push(`${fmt(p.samples_per_s)} samples/s`);
+  if (typeof p.step_time_s === "number") parts.push(`${(1000 * p.step_time_s).toPrecision(3)} ms/step`);
+  if (typeof p.mfu === "number") parts.push(`MFU ${(100 * p.mfu).toFixed(1)}% of ${p.device_name || "the device"}'s ` +
+    `${p.precision || ""} peak`);
+  else if (parts.length) parts.push("MFU unknown (no FLOPs count or an unknown device)");
+  if (typeof p.gpu_util === "number") parts.push(`GPU busy ${p.gpu_util.toFixed(0)}%`);
+  if (typeof p.gpu_mem_peak_mb === "number") parts.push(`GPU memory peak ${fmt(p.gpu_mem_peak_mb)} MB (NVML)`);
+  if (p.compiled) parts.push("compiled");
+  $("job-performance").hidden = !parts.length;
+  $("job-performance").textContent = parts.length ? `Performance: ${parts.join(" · ")}` : "";
 }
 function renderStacks(attempts) {
   // The latest dump of any node of any attempt (a hang's, or one asked for with POST .../stacks).
