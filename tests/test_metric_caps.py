@@ -125,3 +125,17 @@ def test_eight_thousand_names_at_one_step_are_written_in_bounded_statements(sett
     with sessions() as db:
         assert metrics.stored(db, job_id=job_id) == ({f"m{i}" for i in range(8000)}, 16000)
     engine.dispose()
+
+
+def test_a_running_job_s_performance_is_the_newest_of_its_throughput_series(settings, tmp_path):
+    from worker.attempt.ship import progress
+
+    engine, sessions, job_id = _job(settings)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(_line(10, loss=1.0, samples_per_s=900.0, step_time_s=0.02)
+                    + _line(20, loss=0.5, samples_per_s=1000.0, step_time_s=0.018, mfu=0.4))
+    tail = MetricTail(path, MetricCaps(max_points=100, max_names=10, name_max_chars=64))
+    _ship(sessions, tail, job_id)
+    spec = JobSpec.model_validate(mlp_spec(train={"max_steps": 100}))
+    assert progress(spec, tail)["performance"] == {"samples_per_s": 1000.0, "step_time_s": 0.018, "mfu": 0.4}
+    engine.dispose()

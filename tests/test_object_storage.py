@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import boto3
 import psutil
 import pytest
 
@@ -22,38 +21,20 @@ from service.storage.store import checkpoint_key, manifest_key
 from service.storage.tree import upload_tree
 from tests.conftest import mlp_spec
 from tests.helpers import free_port, live_stack, processes_of, wait_for, wait_terminal
+from tests.s3 import AWS, DownThenBack, moto_s3
 from trainjobs.errors import InvalidRequest
 from trainjobs.paths import new_job_id
 from worker import sandbox
 from worker.store_sync import AttemptSync
 
 BUCKET = "trainjobs-test"
-AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
 
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """moto's S3 server on a free loopback port, with the bucket; the AWS variables point every process at it."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
-    server.start()
-    endpoint = f"http://127.0.0.1:{server._port}"
-    saved = {k: os.environ.get(k) for k in (*AWS, "AWS_ENDPOINT_URL")}
-    os.environ.update({**AWS, "AWS_ENDPOINT_URL": endpoint})
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    try:
+    with moto_s3(BUCKET) as endpoint:
         yield endpoint
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
 
 
 @pytest.fixture(params=["directory", "s3"])
@@ -130,22 +111,8 @@ def test_only_a_checkpoint_with_its_manifest_is_the_latest_and_retention_keeps_k
     assert resumed.upload_newest() is None
 
 
-class FlakyStore(DirectoryStore):
-    """A store that is down for its first `down` uploads (an outage during training), then back."""
-
-    def __init__(self, root: Path, down: int):
-        super().__init__(root)
-        self.down = down
-
-    def put_file(self, key, file):
-        if self.down > 0:
-            self.down -= 1
-            raise StoreUnavailable(f"the store {self.url} is unreachable (upload {key}): connection refused")
-        super().put_file(key, file)
-
-
 def test_a_store_down_while_the_ranks_train_gets_the_checkpoint_once_it_is_back(tmp_path):
-    store, job = FlakyStore(tmp_path / "store", down=3), new_job_id()
+    store, job = DownThenBack(tmp_path / "store", down=3), new_job_id()
     (tmp_path / "store").mkdir()
     sync = AttemptSync(store, job_id=job, job_dir=tmp_path / "job", keep=2, wait_s=10)
     sync.start()  # the background thread: it meets the outage, backs off, tries again

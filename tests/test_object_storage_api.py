@@ -1,9 +1,7 @@
 """Artifacts served from the object store (issue 31): streamed through the API with HTTP Range, or a redirect to a
 presigned URL of the store when the operator turns that on. moto's S3 server on loopback is the store."""
 
-import os
 
-import boto3
 import httpx
 import pytest
 from fastapi.testclient import TestClient
@@ -12,35 +10,17 @@ from service.api.app import create_app
 from service.artifacts.stored import RangeNotSatisfiable, byte_range
 from service.storage import artifact_key, open_store
 from tests.conftest import admin_token, mlp_spec
-from tests.helpers import free_port
+from tests.s3 import moto_s3
 
 BUCKET = "trainjobs-api"
-AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
 BODY = bytes(range(256)) * 40  # 10,240 bytes
 
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
-    server.start()
-    endpoint = f"http://127.0.0.1:{server._port}"
-    saved = {k: os.environ.get(k) for k in (*AWS, "AWS_ENDPOINT_URL")}
-    os.environ.update({**AWS, "AWS_ENDPOINT_URL": endpoint})
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    try:
+    with moto_s3(BUCKET) as endpoint:
         yield endpoint
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
 
 
 def served(settings, **overrides):

@@ -21,15 +21,15 @@ import pytest
 from sqlalchemy import create_engine, select
 
 from service.jobs.models import JobEvent
-from service.storage import DirectoryStore, StoreUnavailable, artifact_key, open_store
+from service.storage import DirectoryStore, artifact_key, open_store
 from service.storage.store import checkpoint_key, manifest_key, part_key
 from tests.conftest import mlp_spec
 from tests.helpers import free_port, live_stack, wait_for, wait_terminal
+from tests.s3 import DownThenBack, aws_at
 from trainjobs.paths import new_job_id
 from worker.store_sync import BACK, WAITING, AttemptSync
 
 BUCKET = "trainjobs-faults"
-AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +40,15 @@ def moto_process(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115 - closed below
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in (*AWS, "AWS_ENDPOINT_URL")}
-    os.environ.update({**AWS, "AWS_ENDPOINT_URL": endpoint})
     try:
-        wait_for(lambda: _bucket_made(), 60, interval=0.5, what="moto's server")
-        yield server
+        with aws_at(f"http://127.0.0.1:{port}"):
+            wait_for(lambda: _bucket_made(), 60, interval=0.5, what="moto's server")
+            yield server
     finally:
         os.kill(server.pid, signal.SIGCONT)
         server.terminate()
         server.wait(timeout=30)
         log.close()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _bucket_made() -> bool:
@@ -125,22 +118,8 @@ def test_a_gang_checkpoint_counts_once_every_nodes_part_is_in_and_each_node_resu
     assert not store.list(part_key(job, "step_00000100")) and not store.list(checkpoint_key(job, "step_00000200"))
 
 
-class DownStore(DirectoryStore):
-    """Down for its first `down` uploads, then back."""
-
-    def __init__(self, root: Path, down: int):
-        super().__init__(root)
-        self.down = down
-
-    def put_file(self, key, file):
-        if self.down > 0:
-            self.down -= 1
-            raise StoreUnavailable(f"the store {self.url} is unreachable (upload {key}): timed out")
-        super().put_file(key, file)
-
-
 def test_the_jobs_events_say_once_that_its_checkpoints_wait_for_the_store_and_when_it_is_back(tmp_path):
-    store, notes = DownStore(tmp_path / "store", down=4), []
+    store, notes = DownThenBack(tmp_path / "store", down=4), []
     (tmp_path / "store").mkdir()
     sync = AttemptSync(store, job_id=new_job_id(), job_dir=tmp_path / "job", keep=2, wait_s=30,
                        note=lambda kind, detail: notes.append((kind, detail)))

@@ -4,43 +4,26 @@ from the store, checks its digest and runs it; a store that gives other bytes is
 import hashlib
 import os
 
-import boto3
 import pytest
 
 from service.packages import stored
 from service.settings import Settings
 from service.storage import StoreUnavailable, open_store
 from service.storage.store import package_key
-from tests.helpers import free_port, live_stack
+from tests.helpers import live_stack
+from tests.s3 import moto_s3
 from trainjobs import Client
 
 BUCKET = "trainjobs-packages"
-AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
 SCRIPT = "from trainjobs import report, summary\nreport(step=1, loss=0.5, total_steps=1)\nsummary(steps=1)\n" \
          "print('package ran from', __file__, flush=True)\n"
 
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
-    server.start()
-    saved = {k: os.environ.get(k) for k in (*AWS, "AWS_ENDPOINT_URL")}
-    os.environ.update({**AWS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server._port}"})
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
+    with moto_s3(BUCKET) as endpoint:
+        yield endpoint
 
 
 def test_a_worker_without_the_apis_folder_runs_a_package_fetched_from_the_store(s3_endpoint, postgres_url, tmp_path,

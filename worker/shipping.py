@@ -259,6 +259,10 @@ class Counts:
         return self.over_points + self.thinned + self.long_names + self.new_names + self.refused
 
 
+# The series a job's page shows as its live performance (service/jobs/schemas.py Performance), newest values.
+LIVE = ("samples_per_s", "tokens_per_s", "step_time_s", "mfu", "gpu_util", "gpu_mem_peak_mb")
+
+
 class MetricTail:
     """Reads complete JSON lines that the reporter appended since the last committed read, in bounded batches.
 
@@ -277,6 +281,7 @@ class MetricTail:
         self.names, self.points = set(known_names or ()), points
         self.summary: dict | None = None
         self.last_step, self.last_step_time_s = 0, None
+        self.live: dict[str, float] = {}  # the newest of the LIVE series: the job's performance while it runs
         self.total_steps: int | None = None  # from an entrypoint's report(total_steps=...)
         self.resumed_from_step: int | None = None  # the runtime says so when it loaded a checkpoint
         self.preempted_at_step: int | None = None  # the runtime stopped there on request (checkpoint saved)
@@ -353,6 +358,7 @@ class MetricTail:
                     self._rank_staged.append(ranks)
                 if "step_time_s" in points:
                     self.last_step_time_s, self._timed = points["step_time_s"], True
+                self.live.update((name, points[name]) for name in LIVE if name in points)
             if not self._timed and step > self.last_step and self._last_time is not None:
                 self.last_step_time_s = (record["time"] - self._last_time) / (step - self.last_step)
             self.last_step, self._last_time = step, record["time"]

@@ -27,7 +27,8 @@ class MemoryCheck(BaseModel):
 
 
 class Performance(BaseModel):
-    """How fast the job trained, from its summary: the built-in runtime's, or a script's report(flops_per_step=...).
+    """How fast the job trains: while it runs, the newest values of its series (samples_per_s, mfu, ...); once it
+    has ended, its summary's figures: the built-in runtime's, or a script's report(flops_per_step=...).
 
     mfu is the model's FLOP/s over the devices' peak (trainjobs/peaks.py) in `precision`; it is absent where the
     FLOPs or the device are unknown. gpu_util and gpu_mem_peak_mb are NVML's, read by rank 0 on its GPU (absent on
@@ -62,7 +63,7 @@ class JobPublic(BaseModel):
     error: dict[str, Any] | None
     plan: dict[str, Any] | None  # the memory plan (trainjobs/plan.py); null for an entrypoint job
     memory: MemoryCheck | None
-    performance: Performance | None = None  # throughput and MFU, once the run's summary holds them
+    performance: Performance | None = None  # throughput and MFU: live while it runs, then the summary's
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -91,7 +92,8 @@ class JobPublic(BaseModel):
             id=job.id, name=job.name, owner=job.owner, status=job.status, priority=job.priority,
             spec=job.spec.model_dump(mode="json"), attempt=job.attempt, max_retries=job.max_retries,
             progress=Progress(**progress), summary=job.summary, error=job.error,
-            plan=job.plan, memory=memory_check(job), performance=performance_of(job.summary),
+            plan=job.plan, memory=memory_check(job), performance=performance_of(job.summary) or (
+                performance_of((job.progress or {}).get("performance")) if job.status == "running" else None),
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
             cancel_requested_at=job.cancel_requested_at,
             pending_reason=job.pending_reason if job.status in ("queued", "starting") else None,

@@ -42,7 +42,8 @@ def progress(spec: JobSpec, metrics: MetricTail) -> dict:
     step, step_time_s = metrics.last_step, metrics.last_step_time_s
     eta = max(0.0, (total - step) * step_time_s) if total and step_time_s else None
     # NOTE: a script's absurd step times can overflow it, and strict JSON (PostgreSQL's) has no infinity.
-    return {"step": step, "total_steps": total, "eta_s": eta if eta is None or math.isfinite(eta) else None}
+    return {"step": step, "total_steps": total, "eta_s": eta if eta is None or math.isfinite(eta) else None,
+            **({"performance": dict(metrics.live)} if metrics.live else {})}
 
 
 class Shipper:
