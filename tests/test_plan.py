@@ -172,3 +172,22 @@ def test_cpu_ranks_share_the_host_memory_and_auto_device_follows_the_workers():
     assert p.device == "cpu" and p.device_memory_gib == 8 and "shared by 4 ranks" in p.reason
     gpu_worker = WorkerMemory(device="cuda", gpu_count=1, gpu_memory_bytes=16 * 2**30, host_memory_bytes=2**36)
     assert plan.make_plan(spec, [cpu_worker, gpu_worker]).device == "cuda"
+
+
+def test_an_auto_batch_is_the_largest_power_of_two_whose_estimate_fits_and_a_double_would_not():
+    model = {"type": "gpt", "n_layer": 24, "n_head": 16, "d_model": 2048, "seq_len": 2048, "vocab_size": 50257}
+    spec = job(model, {"type": "synthetic_lm", "num_samples": 100_000, "batch_size": "auto"},
+               resources={"device": "cuda", "gpu_memory_gb": 80})
+    resolved, p = plan.resolve(spec)
+    size = resolved.data.batch_size
+    assert isinstance(size, int) and size == p.batch_size and size & (size - 1) == 0 and 1 < size < plan.AUTO_BATCH_MAX
+    cap = 0.8 * p.device_memory_bytes
+    assert p.ddp.total_bytes <= cap < plan.make_plan(plan.with_batch(spec, 2 * size)).ddp.total_bytes
+    assert p.reason.startswith(f"data.batch_size auto: {size} per rank")
+    # Roomy memory: the cap (AUTO_BATCH_MAX), and never more than the dataset gives each rank.
+    small = job({"type": "mlp", "hidden": [16]}, {"type": "synthetic_regression", "batch_size": "auto"})
+    assert plan.resolve(small)[0].data.batch_size == plan.AUTO_BATCH_MAX
+    tiny = job({"type": "mlp", "hidden": [16]}, {"type": "synthetic_regression", "num_samples": 100,
+                                                 "batch_size": "auto"}, train={"eval_every": 10},
+               resources={"nproc_per_node": 2})
+    assert plan.resolve(tiny)[0].data.batch_size == 4  # 10 held out, over 2 ranks: 5, the power of two 4

@@ -158,3 +158,16 @@ def test_cli_plan_prints_both_estimates_and_the_choice(client, tmp_path, capsys)
     assert cli.cmd_plan(cli.build_parser().parse_args(["plan", str(path)]), api) == 0
     out = capsys.readouterr().out
     assert "gathered_parameters" in out and "choice: fsdp" in out and "only FSDP fits" in out
+
+
+def test_a_job_with_an_auto_batch_is_stored_with_the_batch_its_plan_picked(client):
+    spec = big_gpt_spec(80, strategy="ddp")
+    spec["data"]["batch_size"] = "auto"
+    created = client.post("/v1/jobs", json=spec)
+    assert created.status_code == 201, created.text
+    job = client.get(f"/v1/jobs/{created.json()['id']}").json()
+    size = job["spec"]["data"]["batch_size"]  # the worker never sees "auto"
+    assert isinstance(size, int) and size == job["plan"]["batch_size"] and size >= 1
+    assert job["plan"]["reason"].startswith(f"data.batch_size auto: {size} per rank")
+    bad = client.post("/v1/jobs", json=mlp_spec(data={"type": "synthetic_regression", "batch_size": "most"}))
+    assert bad.status_code == 422 and "batch_size" in bad.text

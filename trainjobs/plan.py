@@ -99,6 +99,7 @@ class Plan(BaseModel):
     ddp: Estimate
     fsdp: Estimate
     suggestions: list[str] = []  # what would fit, when nothing does
+    batch_size: int | None = None  # data.batch_size "auto": the micro-batch per rank the plan picked
 
 
 def limit(memory: DeviceMemory, nproc: int) -> int:
@@ -238,10 +239,48 @@ def suggest(spec: JobSpec, device: str, memory: DeviceMemory) -> list[str]:
     return out + fits
 
 
+AUTO_BATCH_MAX = 256  # per rank: data.batch_size "auto" picks no more (a larger batch changes the training)
+
+
 def make_plan(spec: JobSpec, workers: Sequence[WorkerMemory] = ()) -> Plan:
-    """DDP when it fits with 20% headroom, else FSDP when it does, else nothing (with what would fit)."""
+    """DDP when it fits with 20% headroom, else FSDP when it does, else nothing (with what would fit); with
+    data.batch_size "auto", for the largest micro-batch that fits."""
     if spec.model is None:
         raise InvalidRequest("an entrypoint job runs its own code: there is no model to plan", field="model")
+    if spec.data.batch_size != "auto":
+        return _plan(spec, workers)
+    bound = min(AUTO_BATCH_MAX, samples_per_rank(spec) or AUTO_BATCH_MAX)
+    if bound < 1:
+        raise InvalidRequest("data.batch_size 'auto': the dataset gives no sample per rank", field="data.batch_size")
+    size = 1 << (bound.bit_length() - 1)  # the largest power of two within the bound
+    while True:
+        plan = _plan(with_batch(spec, size), workers)
+        cap = int(HEADROOM * plan.device_memory_bytes)
+        if size == 1 or (plan.strategy is not None and getattr(plan, plan.strategy).total_bytes <= cap):
+            break
+        size //= 2
+    why = (f"data.batch_size auto: {size} per rank, the largest power of two up to {bound} that fits"
+           if size > 1 or plan.choice else "data.batch_size auto: even 1 per rank does not fit")
+    return plan.model_copy(update={"batch_size": size, "reason": f"{why}; {plan.reason}"})
+
+
+def with_batch(spec: JobSpec, size: int) -> JobSpec:
+    return spec.model_copy(update={"data": spec.data.model_copy(update={"batch_size": size})})
+
+
+def samples_per_rank(spec: JobSpec) -> int | None:
+    """The most samples one rank's batch can take from the dataset (train split, and the held-out one when it is
+    evaluated); None where the size is known only to the worker (a text file)."""
+    total = getattr(spec.data, "num_samples", None)
+    if total is None:
+        return None
+    if spec.train.eval_every:
+        held = max(1, int(total * spec.train.eval_fraction))  # as worker/train/data.py split_eval holds it out
+        total = min(total - held, held)
+    return total // spec.world_size
+
+
+def _plan(spec: JobSpec, workers: Sequence[WorkerMemory]) -> Plan:
     device = plan_device(spec, workers)
     memory = device_memory(spec, device, workers)
     nproc = spec.resources.nproc_per_node
@@ -279,6 +318,8 @@ def resolve(spec: JobSpec, workers: Sequence[WorkerMemory] = ()) -> tuple[JobSpe
     if spec.model is None:
         return spec, None
     plan = make_plan(spec, workers)
+    if plan.batch_size is not None:
+        spec = with_batch(spec, plan.batch_size)
     if spec.strategy == "auto":
         if plan.choice is None:
             raise InvalidRequest(f"strategy 'auto': {plan.reason}", field="strategy")

@@ -98,7 +98,9 @@ class GPTConfig(_Strict):
 ModelConfig = Annotated[MLPConfig | GPTConfig, Field(discriminator="type")]
 
 NumSamples = Annotated[int, Field(ge=1, le=50_000_000)]
-BatchSize = Annotated[int, Field(ge=1, le=65536, description="per rank")]
+# Per rank. "auto": the memory plan picks the largest power of two up to trainjobs.plan.AUTO_BATCH_MAX that fits
+# the device with the plan's headroom (and the dataset), and the job is stored with that number.
+BatchSize = Annotated[int, Field(ge=1, le=65536, description="per rank")] | Literal["auto"]
 
 
 class SyntheticRegression(_Strict):
