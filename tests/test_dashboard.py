@@ -117,7 +117,8 @@ def test_jobs_table_lists_jobs_newest_first_filters_by_status_and_shows_user_tex
     expect(rows(page)).to_have_count(2)
     expect(rows(page).nth(0)).to_contain_text("dash-running")  # newest first
     expect(rows(page).nth(1)).to_contain_text("dash-failed")
-    expect(rows(page).nth(1)).to_contain_text("failed")
+    # The row's name says "failed" too: wait for its bar to be painted failed (the list re-reads on its own).
+    expect(rows(page).nth(1).locator(".progress .fill")).to_have_class(re.compile(r"\bfailed\b"))
     listed_colour = rows(page).nth(1).locator(".progress .fill").evaluate("e => getComputedStyle(e).backgroundColor")
     expect(rows(page).nth(0).locator("td").nth(5)).to_have_text("1×2")  # nnodes × nproc_per_node
 
