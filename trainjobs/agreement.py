@@ -6,8 +6,8 @@ and the ranks all-reduce (MAX) the requests: one signalled rank is enough, and e
 Used by the built-in runtime (worker/train/preempt.py) and by zero-code capture's stop for framework scripts
 (trainjobs/capture/stop.py).
 
-torch is imported inside Agreement() only: the public package stays torch-free at import (DESIGN.md layers), and a
-rank that makes one has torch loaded already.
+The public package never imports torch (DESIGN.md layers): Agreement() uses the torch the rank has loaded already
+(sys.modules), as trainjobs/capture/stop.py does.
 
 NOTE: on 2 gloo CPU ranks sharing 2 cores (a 1.5-2.6 ms step of a small MLP), a blocking 1-element all-reduce
 after every step cost 0.7-1.7 ms (+40-65%), far from the ~100 us it takes on an idle machine; one started async and
@@ -17,6 +17,7 @@ over 0.1 s): lost in the noise (<3%), and a stop within ~2 * CHECK_EVERY_S plus 
 saved checkpoint). The interval travels in the same all-reduce (MAX), so the ranks agree on it as on the request.
 """
 
+import sys
 import time
 from typing import Any
 
@@ -28,9 +29,10 @@ class Agreement:
     """Make on every rank at the same point, with the default process group up (a collective: it makes a group)."""
 
     def __init__(self) -> None:
-        import torch
-        import torch.distributed as dist
-
+        torch = sys.modules.get("torch")
+        if torch is None:
+            raise RuntimeError("Agreement is made in a rank with torch loaded and its process group up")
+        dist = torch.distributed
         self._dist = dist
         # NOTE: a gloo group of its own, on CPU tensors: on CUDA the flag never forces a device sync, and its
         # all-reduce never queues behind (or between) the model's gradient collectives.
