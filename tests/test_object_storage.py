@@ -174,7 +174,8 @@ def test_a_job_killed_with_its_worker_resumes_on_another_from_the_store(s3_endpo
                     storage_dir=dirs["api"], lease_s=4.0, heartbeat_s=0.5, sweep_s=0.5, store_wait_s=30) as stack:
         (first,) = stack.add_workers(1, env={"TRAINJOBS_STORAGE_DIR": str(dirs["worker-a"])})
         api = stack.client(timeout=10)
-        spec = mlp_spec(name="store-resume", max_retries=1,
+        spec = mlp_spec(name="store-resume", max_retries=1,  # the first attempt slowed: it still runs when killed
+                        fault_injection={"sleep_per_step_s": 0.02, "rank": 0, "attempt": 1},
                         data={"type": "synthetic_regression", "num_samples": 4096, "batch_size": 16},
                         train={"max_steps": 2000, "log_every": 100, "checkpoint_every": 300, "keep_checkpoints": 2})
         job_id = api.post("/v1/jobs", json=spec).json()["id"]
