@@ -8,9 +8,14 @@
    the torchrun process; service: submit → `succeeded`, the job's own created_at/finished_at) and per step (the
    script's own median window, from its log). With --ablate a second service runs beside the first with the
    supervisor's extras off (usage sampling off, shipping every 2 s instead of 0.5 s): where the difference goes.
+3. account: where the CPU goes while the same script runs through the service, in its steady state (after the
+   ranks' start, before their end): the CPU-seconds of every process of the stack (the ranks, torchrun, the
+   sandbox, the worker and its work-horse, the API with its scheduler and database), each as a share of the
+   ranks'. CPU-seconds hardly move with the machine's load, where a wall-clock ratio on 2 shared cores does.
 """
 
 import argparse
+import collections
 import os
 import re
 import statistics
@@ -23,6 +28,8 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psutil  # noqa: E402
 
 from bench.common import bench_stack, free_port, redis_url, run_bare, wait_job  # noqa: E402
 
@@ -114,7 +121,7 @@ def run_service_script(api, args: list[str]) -> tuple[float, float, float]:
     submit → started: the claim and the launch before torchrun)."""
     spec = {"name": "bench-plain-gpt", "resources": {"nproc_per_node": 2, "device": "cpu"},
             "entrypoint": {"script": "plain_gpt.py", "args": args}}
-    job = wait_job(api, api.post("/v1/jobs", json=spec).json()["id"], poll_s=0.25)
+    job = wait_job(api, api.post("/v1/jobs", json=spec).json()["id"], poll_s=1.0)  # the times are the job's own
     if job["status"] != "succeeded":
         raise RuntimeError(f"job {job['status']}: {job['error']}")
     created, started, finished = (datetime.fromisoformat(job[k]) for k in ("created_at", "started_at", "finished_at"))
@@ -145,6 +152,58 @@ def script_rounds(apis: dict, rounds: int, args: list[str]) -> dict[str, list[tu
     return got
 
 
+def component(proc: psutil.Process) -> str:
+    """Which part of the stack a process of this bench is."""
+    cmd = " ".join(proc.cmdline())
+    if proc.name() == "bwrap":
+        return "sandbox (bwrap)"
+    if "torch.distributed.run" in cmd or "torchrun" in cmd:
+        return "torchrun"
+    if "plain_gpt.py" in cmd:
+        return "ranks"
+    if "uvicorn" in cmd:
+        return "API (scheduler, sweeper, database)"
+    if "worker.main" in cmd:
+        return "worker (supervisor, shipping, lease)"
+    return "other: " + cmd[:60]
+
+
+def cpu_by_component() -> dict[int, tuple[str, float]]:
+    """pid -> (component, CPU-seconds so far) for every process this bench started."""
+    out = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            times = proc.cpu_times()
+            out[proc.pid] = (component(proc), times.user + times.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def account_row(api, args: list[str], settle_s: float, window_s: float) -> dict[str, float]:
+    """CPU-seconds per component in a window of the script's steady state, as a share of the ranks'."""
+    spec = {"name": "bench-plain-gpt-account", "resources": {"nproc_per_node": 2, "device": "cpu"},
+            "entrypoint": {"script": "plain_gpt.py", "args": args}}
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    wait_job(api, job_id, until={"running", "succeeded", "failed", "cancelled"}, poll_s=0.5)
+    time.sleep(settle_s)  # past the ranks' imports and first steps
+    before = cpu_by_component()
+    time.sleep(window_s)
+    after = cpu_by_component()
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    if job["status"] != "running":
+        raise RuntimeError(f"the job was {job['status']} at the window's end: give it more --steps")
+    spent = collections.Counter()
+    for pid, (name, cpu) in after.items():
+        spent[name] += cpu - before.get(pid, (name, 0.0))[1]
+    api.post(f"/v1/jobs/{job_id}/cancel")
+    ranks = spent.pop("ranks")
+    print(f"CPU in a {window_s:.0f} s window of the script's steady state (2 ranks): ranks {ranks:.2f} CPU-s; "
+          + "; ".join(f"{name} {cpu:.2f} CPU-s = {100 * cpu / ranks:.2f}% of the ranks'"
+                      for name, cpu in spent.most_common()), flush=True)
+    return {name: cpu / ranks for name, cpu in spent.items()}
+
+
 @contextmanager
 def quiet_stack():
     """A second service beside the first (its own queue): usage sampling off, shipping every 2 s."""
@@ -164,10 +223,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--row", choices=["runtime", "script", "both"], default="both")
+    parser.add_argument("--row", choices=["runtime", "script", "both", "account"], default="both")
+    parser.add_argument("--window", type=float, default=20.0, help="the account row's window, seconds")
     parser.add_argument("--ablate", action="store_true", help="a second service with usage sampling off and "
                         "shipping every 2 s, in the script row")
     args = parser.parse_args()
+    if args.row == "account":
+        with bench_stack(allow_entrypoints=True, scripts_dir=SCRIPTS) as (_stack, api):
+            for _ in range(args.rounds):
+                account_row(api, plain_args(args.steps, args.log_every, args.batch), 8.0, args.window)
+        return
     if args.row != "script":
         runtime_rounds(args.rounds, args.steps, args.log_every, args.batch)
     if args.row == "runtime":
