@@ -21,7 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/trainjobs demo examples/ddp-mlp.json
 
 # pytest-xdist workers for `make test` (tests/conftest.py gives each its own database and Redis db). The tests
-# marked `alone` assert wall-clock bounds that hold on a quiet machine: they run afterwards, one at a time.
+# marked `alone` assert wall-clock bounds that hold on a quiet machine: they run afterwards, one at a time. The
+# parallel pass lists its 25 slowest tests (where to look when the suite nears its 30 minutes).
 TEST_WORKERS ?= 2
 # The tests' Redis asks for a password, as the service's should (scripts/ensure-services.sh starts it on 6380 and
 # keeps its password in this file); a TRAINJOBS_TEST_REDIS_URL the caller sets wins.
@@ -29,7 +30,7 @@ TEST_REDIS_PASSWORD_FILE ?= /var/lib/redis/trainjobs-test.password
 
 test: $(STAMP) services
 	export TRAINJOBS_TEST_REDIS_URL="$${TRAINJOBS_TEST_REDIS_URL:-redis://:$$(cat $(TEST_REDIS_PASSWORD_FILE))@127.0.0.1:6380/15}"; \
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not alone"; parallel=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not alone" --durations=25; parallel=$$?; \
 	$(PY) -m pytest -m alone; alone=$$?; \
 	[ $$parallel = 0 ] && [ $$alone = 0 ]
 
