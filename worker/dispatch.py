@@ -103,7 +103,8 @@ class Chooser:
         if self.shared:  # a shared worker's room: its free slots, as its holds say now
             mine = holds.held(db, worker_id=self.offer.id)
             room = scheduling.room_of(self.offer.slots, self.offer.max_jobs,
-                                      holds.Load(len(mine), len(set(mine.values()))))
+                                      holds.Load(len(mine), len(set(mine.values()))),
+                                      workers.device_rows(db, worker_id=self.offer.id))
         me = policy.Node(id=self.offer.id, device=self.offer.device, slots=self.offer.slots,
                          memory_bytes=self.offer.memory_bytes, labels=dict(self.offer.labels or {}), room=room)
         snap = dataclasses.replace(snap, nodes=[*(n for n in snap.nodes if n.id != me.id), me],

@@ -15,21 +15,25 @@ function on a simulated month. The rules, in order:
 3. **Quotas**: a team's or a user's `max_slots` bounds the slots its running jobs hold at once; a job over
    it waits (never fails), whatever its place.
 4. **Reservations**: the oldest job that needs more than one worker (a gang) and has waited
-   `reserve_after_s` reserves the fitting workers that free up first (up to `max_reservations` gangs, the
-   oldest first, each among the workers no older one reserved). Reserved workers finish what they run,
-   then take only a job whose timeout ends before the reservation is expected to be filled (backfill), or
-   a job of higher priority than the gang whose timeout ends before the gang's deadline (queued +
-   reserve_after_s + reserve_deadline_s). So priority still comes first while a gang is young, yet no
-   later job pushes a gang past its deadline: it starts by then, unless the jobs already running on its
-   workers when it reserved them run longer (their own timeouts bound that). A gang that is forming (its
-   node 0 claimed) holds the free workers it still needs the same way.
-5. **Preemption**: a job of spec priority `high` that has waited `preempt_after_s` and that no free worker
-   fits preempts running jobs of strictly lower spec priority that are preemptible and have run
-   `min_runtime_s`: the fewest that free a fit, the most over their share first.
+   `reserve_after_s` reserves the fitting workers whose slots free up first (up to `max_reservations` gangs,
+   the oldest first, each among the workers no older one reserved; reservations.py). A worker of one job at a
+   time is held whole; a shared worker (issue 30) holds only the gang's slots, and its other slots stay open to
+   any job. Held slots finish what they run, then take only a job whose timeout ends before the reservation is
+   expected to be filled (backfill), or a job of higher priority than the gang whose timeout ends before the
+   gang's deadline (queued + reserve_after_s + reserve_deadline_s). So priority still comes first while a gang
+   is young, yet no later job pushes a gang past its deadline: it starts by then, unless the jobs already
+   running on its workers when it reserved them run longer (their own timeouts bound that). A gang that is
+   forming (its node 0 claimed) holds the free slots it still needs the same way.
+5. **Preemption**: a job of spec priority `high` that has waited `preempt_after_s` and that no free worker fits
+   preempts running jobs of strictly lower spec priority that are preemptible and have run `min_runtime_s`,
+   freeing only the devices it needs, one machine per node: on each, the fewest victims, the most over their
+   share first, then the lowest priority, then the least work lost; among machines, the one that frees the
+   fewest devices beyond the need (preemption.py).
 
-Assignments are best-fit (the fitting free worker with the fewest slots, then by id), so a small job does
-not take the big worker a later big job needs. A worker is only offered the jobs assigned to it: every
-worker that polls computes the same plan from the same rows, and the claim's compare-and-set decides races.
+Assignments are best-fit (the fitting worker left with the fewest free slots, then the smallest, then by id),
+so a small job does not take the big worker a later big job needs. A worker is only offered the jobs assigned
+to it: every worker that polls computes the same plan from the same rows, and the claim's compare-and-set
+decides races.
 """
 
 from collections import defaultdict
@@ -37,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 from service.scheduling.pool import (
+    CHARGE_CAP_S,
     PRIORITY_RANK,
     Account,
     Node,
@@ -49,14 +54,15 @@ from service.scheduling.pool import (
     Snapshot,
     Team,
     Waiting,
+    device_noun,
 )
+from service.scheduling.preemption import preempt
+from service.scheduling.reservations import reserve
 from service.workers import fit
 
 # The policy's whole vocabulary, so that its callers need one import (the types live in pool.py).
 __all__ = ["CHARGE_CAP_S", "PRIORITY_RANK", "Account", "Node", "Place", "Plan", "Preemption", "Reservation",
            "Running", "Settings", "Snapshot", "Team", "Waiting", "decayed", "order", "plan", "team_of"]
-
-CHARGE_CAP_S = 3600.0  # what one placed job charges its owner in the ordering: slots × min(timeout, this)
 
 
 def _iso(t: float) -> str:
@@ -160,31 +166,47 @@ def _fair_order(jobs: list[Waiting], snap: Snapshot) -> list[Waiting]:
     return out
 
 
+class _Room:
+    """Each live worker's free slots as the plan hands them out, and those of them held for a gang."""
+
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        self.nodes = {n.id: n for n in nodes}
+        self.free = {n.id: n.free_slots for n in nodes}
+        self.open = dict(self.free)  # free slots that no gang holds (a dict: plan reads it per job × worker)
+        self.reserved: dict[str, int] = defaultdict(int)  # held for a reservation: a job it lets may take them
+        self.why: dict[str, str] = {}  # worker -> why others may not take its held slots
+
+    def hold(self, w: str, slots: int, why: str, *, reservation: bool = False) -> None:
+        """Hold `slots` of w's open slots for a gang: a shared worker's other slots stay open (issue 30), a
+        worker of one job at a time is held whole."""
+        n = self.open[w] if self.nodes[w].room is None else min(self.open[w], slots)
+        if n > 0:
+            self.open[w] -= n
+            self.reserved[w] += n if reservation else 0
+            self.why[w] = why
+
+    def usable(self, w: str, let: bool) -> int:
+        """Slots a job may take on w: the open ones, and a reservation's held ones where it lets the job."""
+        return self.open[w] + (self.reserved[w] if let else 0)
+
+    def take(self, w: str, slots: int) -> None:
+        """A job placed on w takes its slots, the open ones first (a worker of one job at a time: all of them)."""
+        over = min(self.reserved[w], max(0, slots - self.open[w]))  # taken from a reservation that lets it
+        self.reserved[w] -= over
+        if self.nodes[w].room is None:
+            self.free[w] = self.open[w] = self.reserved[w] = 0
+        else:
+            self.free[w] -= slots
+            self.open[w] -= slots - over
+        if self.free[w] <= self.open[w]:  # nothing held any more
+            self.why.pop(w, None)
+
+
 def plan(snap: Snapshot) -> Plan:
     now, cfg = snap.now, snap.settings
-    nodes = {n.id: n for n in snap.nodes}
-    running = {r.id: r for r in snap.running}
     ordered = order(snap)
-    fitting = _Fitting(list(nodes.values()))
-
-    # When each live worker is expected free: now if idle; else by its job's timeout (a bound the supervisor
-    # enforces) — `eta_end` by its progress, for estimates shown to users.
-    free_by_timeout: dict[str, float] = {}
-    free_by_eta: dict[str, float] = {}
-    for n in snap.nodes:
-        job = running.get(n.running) if n.running else None
-        if n.running is None or n.free_slots == n.slots:
-            free_by_timeout[n.id] = free_by_eta[n.id] = now
-        elif job is None:  # busy with something the snapshot does not show (a job just claimed)
-            free_by_timeout[n.id] = free_by_eta[n.id] = now + CHARGE_CAP_S
-        else:
-            bound = max(now, job.started + job.timeout_s)
-            free_by_timeout[n.id] = bound
-            free_by_eta[n.id] = min(bound, now + job.eta_s) if job.eta_s is not None else bound
-    # Free: a worker with room for another job; `room` its free slots (a shared worker's, issue 30), which each
-    # job placed on it takes from.
-    room = {n.id: n.free_slots for n in snap.nodes}
-    free = {n.id for n in snap.nodes if room[n.id] > 0}
+    fitting = _Fitting(list(snap.nodes))
+    room = _Room(snap.nodes)
 
     # Slots held now, per user and per team, for quotas.
     held_user: dict[str, int] = defaultdict(int)
@@ -193,18 +215,20 @@ def plan(snap: Snapshot) -> Plan:
         held_user[r.owner] += r.slots * r.nodes
         held_team[team_of(r.owner, snap.accounts)] += r.slots * r.nodes
 
-    # A forming gang holds the free workers it still needs, before anything else.
-    blocked: dict[str, str] = {}  # free worker -> why others may not take it
+    # A forming gang holds the free slots it still needs (one node a worker), before anything else.
     for r in snap.running:
         if r.forming and r.need is not None:
             want = r.nodes - len(r.workers)
-            for w in sorted((n for n in fitting(r.need) if n.id in free and room[n.id] >= r.need.slots),
+            for w in sorted((n for n in fitting(r.need) if n.id not in r.workers and room.open[n.id] >= r.need.slots),
                             key=lambda n: (n.slots, n.id))[:want]:
-                free.discard(w.id)
-                blocked[w.id] = f"joining the forming gang of job {r.id}"
+                room.hold(w.id, r.need.slots, f"joining the forming gang of job {r.id}")
 
     places: dict[str, Place] = {}
-    reservations = _reserve(ordered, snap, fitting, free, free_by_timeout, held_user, held_team)
+    # NOTE: a gang over its quota could not start on the workers it held, and once all are free the fill time is
+    # now, so nothing could backfill them: they would idle until the quota frees. It reserves nothing.
+    gangs = [j for j in ordered if j.need.nodes > 1 and now - j.queued >= cfg.reserve_after_s
+             and (j.not_before is None or j.not_before <= now) and _quota_block(j, snap, held_user, held_team) is None]
+    reservations = reserve(gangs, snap, fitting, dict(room.open))
     reserved: dict[str, Reservation] = {}  # worker -> the reservation that holds it (idle or busy)
     mine: dict[str, Reservation] = {r.job_id: r for r in reservations}
     by_id = {j.id: j for j in ordered}
@@ -213,15 +237,16 @@ def plan(snap: Snapshot) -> Plan:
         if reservation.held == len(reservation.workers):
             # Filled: it starts now on its reserved workers (node 0 on any of them; the rest join the gang).
             for w in reservation.workers:
-                free.discard(w)
+                room.take(w, job.need.slots)
             places[job.id] = Place(job.id, job.owner, 0, None, list(reservation.workers), now)
             _hold(job, snap, held_user, held_team)
             continue
         for w in reservation.workers:
             reserved[w] = reservation
-            if w in free:
-                free.discard(w)
-                blocked[w] = f"reserved for job {job.id} (needs {job.need.nodes} nodes)"
+            node = room.nodes[w]
+            why = f"reserved for job {job.id} (needs {job.need.nodes} nodes)" + (
+                f" holding {job.need.slots} {device_noun(job.need, node)} on {w}" if node.room is not None else "")
+            room.hold(w, job.need.slots, why, reservation=True)
 
     # Assign in order, best fit; count the jobs still waiting ahead of each one, for its reason.
     # Per set of workers that fit (jobs that compete for the same workers): the waiting ahead, by priority and by
@@ -249,33 +274,32 @@ def plan(snap: Snapshot) -> Plan:
         elif (why := _quota_block(job, snap, held_user, held_team)) is not None:
             place.reason = why
         else:
-            # A free worker, or an idle reserved one the reservation lets this job take (backfill, or a job of
-            # higher priority that ends before the gang's deadline).
-            usable = [w for w in fits if room[w.id] >= job.need.slots and (w.id in free or (
-                w.id in reserved and w.id in blocked and job.id not in mine and reserved[w.id].lets(job, now)))]
+            # Open slots, and the held slots of a reserved worker whose reservation lets this job take them
+            # (backfill, or a job of higher priority that ends before the gang's deadline).
+            usable = [w for w in fits if room.open[w.id] >= job.need.slots or (
+                w.id in reserved and job.id not in mine and room.usable(w.id, True) >= job.need.slots
+                and reserved[w.id].lets(job, now))]
             # Best fit: the worker left with the fewest free slots (whole machines stay free for big jobs).
-            usable.sort(key=lambda n: (room[n.id] - job.need.slots, n.slots, n.id))
+            usable.sort(key=lambda n: (room.free[n.id] - job.need.slots, n.slots, n.id))
             if len(usable) >= job.need.nodes:
                 chosen = usable[:job.need.nodes]
                 for w in chosen:
-                    # A worker of one job at a time has no room left once it has one.
-                    room[w.id] = room[w.id] - job.need.slots if w.room is not None else 0
-                    if room[w.id] <= 0 or w.id in blocked:
-                        free.discard(w.id)
-                    blocked.pop(w.id, None)
+                    room.take(w.id, job.need.slots)
                 place.workers = [w.id for w in chosen]
                 place.estimated_start = now
                 _hold(job, snap, held_user, held_team)
             else:  # it waits for workers that fit: jobs behind it that need them wait behind it
-                place.reason = _wait_reason(job, fits, free, blocked, mine.get(job.id), ahead, cfg.policy, room)
+                place.reason = _wait_reason(job, fits, room, mine.get(job.id), ahead, cfg.policy)
                 waiting_by_fit[fit_ids]["at", job.priority] += 1
                 waiting_by_fit[fit_ids]["own", job.owner, job.priority] += 1
     for i, job in enumerate(ordered):
         places[job.id].position = i + 1
     order_out = [places[j.id] for j in ordered]
-    _estimate(order_out, ordered, fitting, free_by_eta, now)
+    _estimate(order_out, ordered, fitting, _free_by_eta(snap), now)
 
-    preemptions = _preempt(ordered, places, snap, nodes, fitting, running, reserved)
+    preemptions, notes = preempt(ordered, places, snap, fitting, reserved)
+    for job_id, note in notes.items():  # what it waits on, in device terms
+        places[job_id].reason = f"{places[job_id].reason}; {note}" if places[job_id].reason else note
     shares = {o: u / max(snap.accounts.get(o, Account()).weight, 1e-9) for o, u in snap.usage.items()}
     team_use: dict[str, float] = defaultdict(float)
     for owner, used in snap.usage.items():
@@ -283,6 +307,23 @@ def plan(snap: Snapshot) -> Plan:
     team_shares = {t: u / max(snap.teams.get(t, Team()).weight, 1e-9) for t, u in team_use.items()
                    if not t.startswith("user:")}
     return Plan(order_out, preemptions, reservations, shares, team_shares)
+
+
+def _free_by_eta(snap: Snapshot) -> dict[str, float]:
+    """When each live worker is expected free, for the estimates shown to users: now if idle; else by its job's
+    progress, at most by its timeout (a bound the supervisor enforces)."""
+    running = {r.id: r for r in snap.running}
+    out: dict[str, float] = {}
+    for n in snap.nodes:
+        job = running.get(n.running) if n.running else None
+        if n.running is None or n.free_slots == n.slots:
+            out[n.id] = snap.now
+        elif job is None:  # busy with something the snapshot does not show (a job just claimed)
+            out[n.id] = snap.now + CHARGE_CAP_S
+        else:
+            bound = max(snap.now, job.started + job.timeout_s)
+            out[n.id] = min(bound, snap.now + job.eta_s) if job.eta_s is not None else bound
+    return out
 
 
 def _hold(job: Waiting, snap: Snapshot, held_user: dict, held_team: dict) -> None:
@@ -302,28 +343,29 @@ def _quota_block(job: Waiting, snap: Snapshot, held_user: dict, held_team: dict)
     return None
 
 
-def _wait_reason(job: Waiting, fits: list[Node], free: set[str], blocked: dict[str, str],
-                 reservation: Reservation | None, ahead: tuple[int, int, int], policy: str,
-                 room: dict[str, int]) -> str:
+def _wait_reason(job: Waiting, fits: list[Node], room: _Room, reservation: Reservation | None,
+                 ahead: tuple[int, int, int], policy: str) -> str:
     higher, share, own = ahead
-    partial = [w for w in fits if w.id in free and 0 < room[w.id] < job.need.slots]
+    need = job.need
+    partial = [w for w in fits if 0 < room.open[w.id] < need.slots]
     if reservation is not None:
-        why = f"needs {job.need.nodes} nodes: reserved, {reservation.held} of {len(reservation.workers)} held"
-    elif partial and job.need.nodes == 1:
+        noun = device_noun(need, room.nodes[reservation.workers[0]])
+        why = (f"needs {need.nodes} nodes: reserved, {reservation.held} of {len(reservation.workers)} held "
+               f"({need.slots} {noun} on each of {', '.join(reservation.workers)})")
+    elif partial and need.nodes == 1:
         # A shared worker has room, but not enough on one node: say so in device terms.
-        largest = max(partial, key=lambda w: (room[w.id], w.id))
-        noun = "GPUs" if job.need.device == "cuda" or largest.device == "cuda" else "CPU slots"
-        why = (f"needs {job.need.slots} {noun} on one node; the largest free set is {room[largest.id]}, on "
-               f"{largest.id}")
+        largest = max(partial, key=lambda w: (room.open[w.id], w.id))
+        why = (f"needs {need.slots} {device_noun(need, largest)} on one node; the largest free set is "
+               f"{room.open[largest.id]}, on {largest.id}")
     else:
-        busy = sum(1 for w in fits if w.id not in free and w.id not in blocked)
-        held = [blocked[w.id] for w in fits if w.id in blocked]
+        busy = sum(1 for w in fits if room.open[w.id] <= 0 and w.id not in room.why)
+        held = [room.why[w.id] for w in fits if w.id in room.why]
         why = f"waiting for a free worker: {len(fits)} fit, {busy} busy"
         if held:
             why += f", {len(held)} {held[0]}" + (" (backfill needs a timeout that ends before it fills)"
                                                  if "reserved" in held[0] else "")
-        if job.need.nodes > 1:
-            why = f"needs {job.need.nodes} nodes; " + why
+        if need.nodes > 1:
+            why = f"needs {need.nodes} nodes; " + why
     behind = []
     if higher:
         behind.append(f"{higher} higher-priority job(s)")
@@ -332,34 +374,6 @@ def _wait_reason(job: Waiting, fits: list[Node], free: set[str], blocked: dict[s
     if own:
         behind.append(f"{own} earlier job(s) of yours")
     return why + ("; behind " + ", ".join(behind) if behind else "")
-
-
-def _reserve(ordered: list[Waiting], snap: Snapshot, fitting: _Fitting, free: set[str],
-             free_by_timeout: dict[str, float], held_user: dict, held_team: dict) -> list[Reservation]:
-    """The jobs needing several workers that have waited reserve_after_s, oldest first, up to max_reservations:
-    each the fitting workers that free first among those an older one did not reserve."""
-    cfg = snap.settings
-    big = [j for j in ordered if j.need.nodes > 1 and snap.now - j.queued >= snap.settings.reserve_after_s
-           and (j.not_before is None or j.not_before <= snap.now)
-           # NOTE: a gang over its quota could not start on the workers it held, and once all are free the
-           # fill time is now, so nothing could backfill them: they would idle until the quota frees.
-           and _quota_block(j, snap, held_user, held_team) is None]
-    out: list[Reservation] = []
-    taken: set[str] = set()
-    for job in sorted(big, key=lambda j: (j.queued, j.id)):
-        if len(out) == cfg.max_reservations:
-            break
-        fits = [n for n in fitting(job.need) if n.id not in taken and (n.id in free or n.running is not None)]
-        if len(fits) < job.need.nodes:
-            continue  # cannot be filled (workers lost, too few, or older gangs hold them): none for it yet
-        fits.sort(key=lambda n: (free_by_timeout[n.id], n.slots, n.id))
-        chosen = fits[:job.need.nodes]
-        taken.update(n.id for n in chosen)
-        out.append(Reservation(job.id, [n.id for n in chosen], held=sum(1 for n in chosen if n.id in free),
-                               fill_at=max(free_by_timeout[n.id] for n in chosen),
-                               deadline=job.queued + cfg.reserve_after_s + cfg.reserve_deadline_s,
-                               rank=PRIORITY_RANK.get(job.priority, 1)))
-    return out
 
 
 def _estimate(order_out: list[Place], ordered: list[Waiting], fitting: _Fitting, free_at: dict[str, float],
@@ -383,63 +397,3 @@ def _estimate(order_out: list[Place], ordered: list[Waiting], fitting: _Fitting,
         place.estimated_start = start
         for n in chosen:
             timeline[n.id] = start + job.timeout_s
-
-
-def _preempt(ordered: list[Waiting], places: dict[str, Place], snap: Snapshot, nodes: dict[str, Node],
-             fitting: _Fitting, running: dict[str, Running], reserved: dict[str, Reservation]) -> list[Preemption]:
-    cfg, now = snap.settings, snap.now
-    out: list[Preemption] = []
-    taken: set[str] = {r.id for r in snap.running if r.preempt_requested}  # already on their way out
-    promised: set[str] = set()  # workers counted as coming for a job earlier in the order: not for another
-    for job in ordered:
-        place = places[job.id]
-        if (place.workers or job.spec_priority != "high" or now - job.queued < cfg.preempt_after_s
-                or (job.not_before is not None and job.not_before > now) or (place.reason or "").startswith("over ")):
-            continue
-        # The workers it could take once free: a worker reserved for another job only if that reservation lets it.
-        fits = {n.id for n in fitting(job.need)
-                if n.id not in reserved or reserved[n.id].job_id == job.id or reserved[n.id].lets(job, now)}
-        if len(fits) < job.need.nodes:
-            continue
-        # Workers that are (or are about to be) free for it: fitting ones with room, and those of victims in flight
-        # (a victim gives back its slots; a worker of one job at a time, all of them).
-        avail = {w: nodes[w].free_slots for w in fits}
-
-        for v in taken:
-            _frees(running[v], fits, avail, nodes)
-        coming = {w for w in fits if avail[w] >= job.need.slots} - promised
-        if len(coming) >= job.need.nodes:
-            promised |= set(sorted(coming)[:job.need.nodes])
-            continue  # it waits for those; no new victim
-        rank = PRIORITY_RANK[job.spec_priority]
-        candidates = [r for r in snap.running if r.id not in taken and r.preemptible and not r.forming
-                      and PRIORITY_RANK.get(r.spec_priority, 1) > rank and now - r.started >= cfg.min_runtime_s
-                      and any(w in fits for w in r.workers)]
-        share = {o: snap.usage.get(o, 0.0) / max(snap.accounts.get(o, Account()).weight, 1e-9)
-                 for o in {r.owner for r in candidates}}
-        # Fewest victims: those freeing the most fitting workers first; then the most over their share, then the
-        # lowest priority, then the latest started (the least work since its last checkpoint is lost).
-        candidates.sort(key=lambda r: (-sum(w in fits for w in r.workers), -share[r.owner],
-                                       -PRIORITY_RANK.get(r.spec_priority, 1), -r.started, r.id))
-        chosen: list[Running] = []
-        for r in candidates:
-            if len(coming) >= job.need.nodes:
-                break
-            chosen.append(r)
-            _frees(r, fits, avail, nodes)
-            coming = {w for w in fits if avail[w] >= job.need.slots} - promised
-        if len(coming) < job.need.nodes:
-            continue  # preempting every candidate would still not free a fit: preempt nobody
-        promised |= coming
-        for r in chosen:
-            taken.add(r.id)
-            out.append(Preemption(r.id, job.id, f"preempted by job {job.id} (priority {job.spec_priority}, "
-                                                f"owner {job.owner}), which waited {now - job.queued:.0f}s"))
-    return out
-
-
-def _frees(victim: Running, fits: set[str], avail: dict[str, int], nodes: dict[str, Node]) -> None:
-    """A preempted job gives back its slots on each worker it holds (a worker of one job at a time, all of them)."""
-    for w in victim.workers:
-        if w in fits:
-            avail[w] = avail[w] + victim.slots if nodes[w].room is not None else nodes[w].slots

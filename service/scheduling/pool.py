@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from service.workers import fit
 
 PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
+CHARGE_CAP_S = 3600.0  # what one placed job charges its owner in the ordering: slots × min(timeout, this)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class Node:
         if self.room is not None:
             return self.room
         return self.slots if self.running is None else 0
+
+
+def device_noun(need: fit.Need, node: Node) -> str:
+    """What a slot is called in a reason a user reads: a GPU, or on a CPU worker a slot of cores."""
+    return "GPUs" if "cuda" in (need.device, node.device) else "CPU slots"
 
 
 @dataclass(frozen=True)
@@ -130,10 +136,11 @@ class Preemption:
 class Reservation:
     job_id: str
     workers: list[str]
-    held: int  # of them, free now
+    held: int  # of them, with the gang's slots free now
     fill_at: float  # when the last of them is expected free (by timeouts): backfill must end before
     deadline: float  # a job of higher priority than the gang may take a reserved worker if it ends before
     rank: int  # the gang's priority rank now
+    slots: int = 1  # what the gang needs on each: all a shared worker holds for it (its other slots stay open)
 
     def lets(self, job: "Waiting", now: float) -> bool:
         """Whether `job` (another one) may take one of these workers while they are reserved."""

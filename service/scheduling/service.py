@@ -115,7 +115,7 @@ def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req]
         waiting = [w for w in waiting if w.id not in claiming]
     nodes = [policy.Node(id=w.id, device=w.device, slots=w.slots, memory_bytes=w.memory_bytes,
                          labels=dict(w.labels or {}), running=w.current_job,
-                         room=room_of(w.slots, w.max_jobs, held.get(w.id))) for w in live]
+                         room=room_of(w.slots, w.max_jobs, held.get(w.id), w.devices)) for w in live]
     owners = {j.owner for j in waiting} | {r.owner for r in running}
     usage = usage_now(db, now=now, half_life_s=settings.fair_share_half_life_s)
     for owner, extra in in_flight.items():
@@ -125,12 +125,19 @@ def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req]
                            accounts=accounts, teams=teams, settings=policy_settings(settings))
 
 
-def room_of(slots: int, max_jobs: int, load: holds.Load | None) -> int | None:
-    """A shared worker's free slots (none once it runs max_jobs jobs); None for a worker of one job at a time."""
+def room_of(slots: int, max_jobs: int, load: holds.Load | None, devices: list[dict] | None = None) -> int | None:
+    """A shared worker's free slots (none once it runs max_jobs jobs); None for a worker of one job at a time.
+
+    `devices`: the worker row's, as its heartbeat reports them: an unhealthy one is no room."""
     if max_jobs <= 1:
         return None
     load = load or holds.Load()
-    return 0 if load.jobs >= max_jobs else max(0, slots - load.slots)
+    if load.jobs >= max_jobs:
+        return 0
+    # NOTE: a held device that turns unhealthy counts twice until its job, stopped for it, gives it back (seconds):
+    # the room errs small then, never onto a bad device.
+    unhealthy = sum(1 for d in devices or [] if not d.get("healthy", True))
+    return max(0, slots - load.slots - unhealthy)
 
 
 def queued_among(db: Session, job_ids: list[str]) -> set[str]:
