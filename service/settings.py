@@ -117,8 +117,9 @@ class Settings(BaseSettings):
     # ... and finds expired leases (lost workers) and retries whose backoff is over, this often.
     sweep_s: float = Field(2.0, gt=0)
     # Retention (service/jobs/retention.py): off unless set; the sweeper then collects once an hour.
-    retention_days: float | None = Field(None, gt=0, description="finished jobs' logs, metric points, events and "
-                                         "folders are deleted this many days after they ended (rows stay)")
+    retention_days: float | None = Field(None, gt=0, description="finished jobs' logs, metric points, events, "
+                                         "folders and objects in the store are deleted this many days after they ended "
+                                         "(rows stay)")
 
     # Webhooks (service/webhooks/): the API's delivery loop POSTs each outbox row, retrying with backoff.
     webhook_allow: str = Field("", description="hosts and CIDRs (comma-separated) a webhook may reach besides "

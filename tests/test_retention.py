@@ -1,4 +1,5 @@
-"""Retention (`trainjobs gc`): old finished jobs lose their logs, points, events and folders, exactly those."""
+"""Retention (`trainjobs gc`): old finished jobs lose their logs, points, events, folders and objects in the store,
+exactly those."""
 
 import json
 from datetime import timedelta
@@ -18,9 +19,12 @@ from service.logs import service as logs
 from service.logs.models import LogChunk
 from service.metrics import service as metrics
 from service.metrics.models import Metric, MetricBlock
-from service.settings import get_settings
+from service.settings import Settings, get_settings
+from service.storage import DirectoryStore, StoreUnavailable, artifact_key, job_prefix, open_store
+from service.storage.store import checkpoint_key, manifest_key, package_key, part_key
 from tests.conftest import admin_token, mlp_spec
 from tests.helpers import wait_for
+from tests.s3 import moto_s3
 from trainjobs.paths import job_dir
 from trainjobs.spec import JobSpec
 
@@ -135,3 +139,107 @@ def test_with_retention_days_set_the_sweeper_collects_and_metrics_count_it(setti
 
         got = wait_for(lambda: deleted().get("jobs") == 1 and deleted(), timeout=10, what="the sweeper's collection")
     assert got["metric_points"] == 50 and got["log_chunks"] == 1 and got["folders"] == 1
+
+
+def put_objects(store, job_id: str) -> list[str]:
+    """A job's objects of each kind: a checkpoint's file, its gang part, its manifest, an artifact."""
+    keys = [checkpoint_key(job_id, "step_00000010", "__0_0.distcp"), part_key(job_id, "step_00000010", 1),
+            manifest_key(job_id, "step_00000010"), artifact_key(job_id, "model.pt")]
+    for key in keys:
+        store.put_bytes(key, b"x")
+    return keys
+
+
+def test_gc_deletes_an_old_jobs_objects_in_the_store_and_keeps_a_younger_ones(db_url, tmp_path, monkeypatch, capsys):
+    storage, engine = tmp_path / "storage", create_engine(db_url)
+    with moto_s3("trainjobs-retention"), Session(engine) as db:
+        url = f"s3://trainjobs-retention/gc-{tmp_path.name}"
+        store = open_store(Settings(storage_url=url))
+        old = add_job(db, storage, status="succeeded", finished_days_ago=40)
+        young = add_job(db, storage, status="succeeded", finished_days_ago=1)
+        kept = {job_id: put_objects(store, job_id) for job_id in (old, young)}
+        package = package_key("sha256:" + "ab" * 32)  # shared by digest: never a job's to delete
+        store.put_bytes(package, b"tar")
+        monkeypatch.setenv("TRAINJOBS_DATABASE_URL", db_url)
+        monkeypatch.setenv("TRAINJOBS_DATA_DIR", str(tmp_path))
+        monkeypatch.setenv("TRAINJOBS_STORAGE_DIR", str(storage))
+        monkeypatch.setenv("TRAINJOBS_STORAGE_URL", url)
+        get_settings.cache_clear()
+        capsys.readouterr()  # moto's own line
+        try:
+            assert cli.main(["gc", "--older-than", "7d", "--dry-run", "--json"]) == 0
+            dry = json.loads(capsys.readouterr().out)
+            assert dry["jobs"] == 1 and dry["store_objects"] == 4 and dry["folders"] == 1
+            assert sorted(o.key for o in store.list(job_prefix(old))) == sorted(kept[old])  # a dry run deletes none
+            assert cli.main(["gc", "--older-than", "7d", "--json"]) == 0
+            done = json.loads(capsys.readouterr().out)
+        finally:
+            get_settings.cache_clear()
+        assert {k: v for k, v in done.items() if k != "dry_run"} == {k: v for k, v in dry.items() if k != "dry_run"}
+        assert store.list(job_prefix(old)) == [] and not job_dir(storage, old).exists()
+        assert sorted(o.key for o in store.list(job_prefix(young))) == sorted(kept[young])
+        assert store.head(package) is not None
+    engine.dispose()
+
+
+class DeleteRefused(DirectoryStore):
+    """A store that refuses its first delete (an outage as retention runs), then answers."""
+
+    refusals = 1
+
+    def delete(self, keys):
+        if self.refusals:
+            self.refusals -= 1
+            raise StoreUnavailable(f"the store {self.url} is unreachable (delete): connection refused")
+        super().delete(keys)
+
+
+def test_a_store_delete_that_failed_is_retried_by_the_next_run(db_url, tmp_path):
+    storage, engine = tmp_path / "storage", create_engine(db_url)
+    store = DeleteRefused(tmp_path / "store")
+    store.root.mkdir()
+    with Session(engine) as db:
+        old = add_job(db, storage, status="succeeded", finished_days_ago=40)
+        put_objects(store, old)
+        cutoff = utcnow() - timedelta(days=30)
+        first = retention.collect(db, cutoff=cutoff, storage_dir=storage, store=store)
+        assert first.jobs == 1 and first.metric_points == 50 and first.store_objects == 0  # rows go all the same
+        assert len(store.list(job_prefix(old))) == 4
+        second = retention.collect(db, cutoff=cutoff, storage_dir=storage, store=store)
+        assert second.jobs == 1 and second.store_objects == 4 and second.metric_points == 0
+        assert store.list(job_prefix(old)) == []
+        assert retention.collect(db, cutoff=cutoff, storage_dir=storage, store=store).jobs == 0
+    engine.dispose()
+
+
+class Counting(DeleteRefused):
+    """DeleteRefused that counts the listings asked of it."""
+
+    listings = 0
+
+    def list(self, prefix):
+        self.listings += 1
+        return super().list(prefix)
+
+
+def test_a_collected_job_is_marked_and_later_runs_ask_the_store_nothing_of_it(db_url, tmp_path):
+    storage, engine = tmp_path / "storage", create_engine(db_url)
+    store = Counting(tmp_path / "store")
+    store.root.mkdir()
+    with Session(engine) as db:
+        old = [add_job(db, storage, status="succeeded", finished_days_ago=40) for _ in range(2)]
+        for job_id in old:
+            put_objects(store, job_id)
+        cutoff = utcnow() - timedelta(days=30)
+        # The store fails the first batch's delete: no job of this run is marked, not even the second batch's,
+        # whose objects the run no longer asked the store about.
+        retention.collect(db, cutoff=cutoff, storage_dir=storage, store=store, batch=1)
+        assert [db.get(Job, j, populate_existing=True).collected_at for j in old] == [None, None]
+        assert all(len(store.list(job_prefix(j))) == 4 for j in old)
+        second = retention.collect(db, cutoff=cutoff, storage_dir=storage, store=store, batch=1)
+        assert second.store_objects == 8 and all(store.list(job_prefix(j)) == [] for j in old)
+        assert all(db.get(Job, j, populate_existing=True).collected_at is not None for j in old)
+        store.listings = 0
+        third = retention.collect(db, cutoff=cutoff, storage_dir=storage, store=store)
+        assert third.jobs == 0 and store.listings == 0  # collected jobs cost a later run nothing
+    engine.dispose()

@@ -203,8 +203,8 @@ def install(app: FastAPI) -> None:
     requests = Histogram("trainjobs_http_request_duration_seconds", "API request latency",
                          ["route", "method", "status"], registry=registry)
     deleted = Counter("trainjobs_gc_deleted", "What retention deleted in this process's sweeper (jobs touched, "
-                      "log chunks, metric points, events, folders); `trainjobs gc` prints its own", ["kind"],
-                      registry=registry)
+                      "log chunks, metric points, events, folders, store objects); `trainjobs gc` prints its own",
+                      ["kind"], registry=registry)
     app.state.count_collected = lambda done: [deleted.labels(kind).inc(n) for kind, n in done.as_dict().items()]
     app.state.prometheus = registry
     app.add_middleware(RequestLatency, histogram=requests)

@@ -18,6 +18,7 @@ from service.db import UNREACHABLE, utcnow
 from service.jobs import counts, lifecycle, pending, queue, retention
 from service.scheduling import service as scheduling
 from service.settings import Settings
+from service.storage import open_store
 from service.sweeps import controller as sweeps
 from service.workers import service as workers
 
@@ -82,7 +83,8 @@ class Sweeper:
                     # (the lock's timeout, and leases to expire), however many jobs a first collection meets.
                     done = retention.collect(db, cutoff=utcnow() - timedelta(days=self.settings.retention_days),
                                              storage_dir=self.settings.resolved_storage_dir,
-                                             after=self.collect_after or "", max_batches=COLLECT_BATCHES)
+                                             store=open_store(self.settings), after=self.collect_after or "",
+                                             max_batches=COLLECT_BATCHES)
                     self.collect_after = done.resume_after
                     if done.resume_after is None:
                         self.last_collect = now

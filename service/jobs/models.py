@@ -29,6 +29,9 @@ class SpecJSON(TypeDecorator):
         return JobSpec.model_validate(value) if value is not None else None
 
 
+UNCOLLECTED = "collected_at IS NULL AND finished_at IS NOT NULL"  # the jobs retention may still have to collect
+
+
 class Job(Base):
     __tablename__ = "jobs"
 
@@ -69,6 +72,9 @@ class Job(Base):
     # Where its current attempt runs, a list of its nodes' shares: [{node_rank, worker, devices, uuids, cores, ...}]
     # (service/workers/holds.py bind; each attempt's own is in attempts.placement).
     placement: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
+    # When retention (service/jobs/retention.py) deleted all it deletes of the job: its rows, folder and stored
+    # objects. A run looks only at old jobs without it, so a collected job costs a later run nothing.
+    collected_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # Bumped by the database on every UPDATE of the row (a trigger, migrations/versions/0011): a read's ETag.
     version: Mapped[int] = mapped_column(Integer, server_default="1")
 
@@ -77,6 +83,7 @@ class Job(Base):
         Index("ix_jobs_owner_id", "owner", "id"),  # a user's list, newest first
         Index("ix_jobs_owner_status_id", "owner", "status", "id"),  # ...of one status; their quota's count
         Index("ix_jobs_sweep_trial", "sweep_id", "sweep_trial", unique=True),  # ?sweep=, and trial n made once
+        Index("ix_jobs_uncollected", "id", postgresql_where=text(UNCOLLECTED), sqlite_where=text(UNCOLLECTED)),
     )
 
 
