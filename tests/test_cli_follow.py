@@ -161,12 +161,14 @@ def test_submit_follow_shows_a_real_jobs_progress_and_exits_0(postgres_url, tmp_
         log_code, followed = finish(log_follower)
         with real.client() as api:
             stored = api.get(f"/v1/jobs/{job_id}/logs").text
+            rank0 = api.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0}).text  # what follow shows by default
         listing = subprocess.run([sys.executable, "-m", "service.cli", "list"], capture_output=True, text=True,
                                  env={**os.environ, "TRAINJOBS_API_URL": real.api_url, "COLUMNS": "160",
                                       **({"TRAINJOBS_TOKEN": real.token} if real.token else {})}).stdout
     assert code == 0, out
     assert "20/20" in out and "loss " in out and "samples/s" in out and "succeeded" in out and "summary" in out
-    printed = [line for line in stored.splitlines() if line.strip()]  # follow prints the job's output, in order
+    printed = [line for line in rank0.splitlines() if line.strip()]  # follow prints rank 0's output, in order
+    assert "[rank0]: " in stored and "[rank" not in rank0 and len(printed) > 3, (stored, rank0)
     at = [out.find(line) for line in printed]
     assert printed and -1 not in at and at == sorted(at), (printed, out)
     assert log_code == 0 and followed == stored and "samples/s" in stored  # every byte, once, in order

@@ -416,16 +416,21 @@ class Client:
             time.sleep(delay)
             delay = min(delay * 1.5, WAIT_POLL_S[1])
 
-    def logs(self, job_id: str, *, node_rank: int = 0, follow: bool = False) -> str | Iterator[str]:
-        """The job's combined output so far; with follow=True an iterator over it as it grows, until the job
-        ends (pushed by the event stream, across dropped connections)."""
+    def logs(self, job_id: str, *, node_rank: int = 0, rank: int | None = None, follow: bool = False
+             ) -> str | Iterator[str]:
+        """The job's combined output so far (every rank's line marked `[rank<R>]: `; with `rank`, that rank's
+        lines unmarked and the lines no rank marked); with follow=True an iterator over it as it grows, until the
+        job ends (pushed by the event stream, across dropped connections)."""
         if follow:
-            return self.follow_logs(job_id, node_rank=node_rank)
-        return self.log_page(job_id, node_rank=node_rank)[0]
+            return self.follow_logs(job_id, node_rank=node_rank, rank=rank)
+        return self.log_page(job_id, node_rank=node_rank, rank=rank)[0]
 
-    def log_page(self, job_id: str, offset: int = 0, node_rank: int = 0) -> tuple[str, int, str]:
-        """The output from byte `offset`: its text, the offset to read from next, and the job's status."""
-        r = self._call("GET", f"/v1/jobs/{job_id}/logs", params={"offset": offset, "node_rank": node_rank})
+    def log_page(self, job_id: str, offset: int = 0, node_rank: int = 0, rank: int | None = None
+                 ) -> tuple[str, int, str]:
+        """The output from byte `offset` (with `rank`, that rank's lines): its text, the offset to read from next,
+        and the job's status."""
+        params = {"offset": offset, "node_rank": node_rank} | ({"rank": rank} if rank is not None else {})
+        r = self._call("GET", f"/v1/jobs/{job_id}/logs", params=params)
         return r.text, int(r.headers["X-Next-Offset"]), r.headers["X-Job-Status"]
 
     def artifacts(self, job_id: str) -> "list[dict]":  # a string: `list` is a method here
@@ -488,15 +493,15 @@ class Client:
             time.sleep(delay)  # a backoff between reconnects, not a poll: a live stream pushes every change
             delay = min(delay * 2, 5.0)
 
-    def follow_logs(self, job_id: str, offset: int = 0, node_rank: int = 0, *, give_up_s: float = 60
-                    ) -> Iterator[str]:
+    def follow_logs(self, job_id: str, offset: int = 0, node_rank: int = 0, *, rank: int | None = None,
+                    give_up_s: float = 60) -> Iterator[str]:
         """The job's output as it grows, until the job ends: the event stream says when the log has grown (a
         `logs` event) or the job has ended, and only then is GET .../logs read from where the last read ended.
 
         Another node's log (node_rank > 0) is not in the stream's `logs` events: it is read every
         NODE_LOG_POLL_S until a read says the job has ended (that read holds the whole log).
         """
-        text, offset, status = self.log_page(job_id, offset, node_rank)
+        text, offset, status = self.log_page(job_id, offset, node_rank, rank)
         if text:
             yield text
         if node_rank:
@@ -504,7 +509,7 @@ class Client:
             while status not in TERMINAL:
                 time.sleep(NODE_LOG_POLL_S)
                 try:
-                    text, offset, status = self.log_page(job_id, offset, node_rank)
+                    text, offset, status = self.log_page(job_id, offset, node_rank, rank)
                 except (httpx.TransportError, APIError) as exc:
                     reason = retry_reason(exc)
                     failing_since = failing_since or time.monotonic()
@@ -519,7 +524,7 @@ class Client:
         for event in self.follow_events(job_id, metrics="none"):  # the log and the status only
             grown = event.kind == "logs" and event.data["next_offset"] > offset
             if grown or (event.kind == "status" and event.data["status"] in TERMINAL):
-                text, offset, _status = self.log_page(job_id, offset)
+                text, offset, _status = self.log_page(job_id, offset, rank=rank)
                 if text:
                     yield text
 

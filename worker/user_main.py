@@ -5,9 +5,10 @@ clean exit that skips the interpreter's teardown.
     python .../worker/user_main.py module NAME [ARGS...]
 
 Run by its path, never `-m worker.user_main`: a user's own `worker` module would hide ours. So it imports
-nothing but the standard library (its folder is sys.path[0] until it hands the path to the user's code), and
-trainjobs.capture (standard library too), which picks up an unmodified HF Trainer's, Lightning's, TensorBoard's
-and MLflow's scalars; TRAINJOBS_CAPTURE=0 in the ranks' environment leaves it out.
+nothing but the standard library (its folder is sys.path[0] until it hands the path to the user's code),
+trainjobs.rank_output (standard library too), which starts each line a rank of a multi-rank job prints with
+`[rank<R>]: `, and trainjobs.capture (standard library too), which picks up an unmodified HF Trainer's,
+Lightning's, TensorBoard's and MLflow's scalars; TRAINJOBS_CAPTURE=0 in the ranks' environment leaves it out.
 
 The script runs as `__main__` with `python PATH` semantics (sys.argv, sys.path[0] = its folder, __file__), the
 module with `python -m NAME` semantics (runpy.run_module). After it returns (or raises, or calls sys.exit),
@@ -44,6 +45,7 @@ def main(argv: list[str]) -> None:
         print(USAGE, file=sys.stderr)
         os._exit(2)
     kind, target, args = argv[0], argv[1], argv[2:]
+    install_rank_output()  # first: whatever the script (or capture) prints says which rank printed it
     code = 0
     atexit.register(lambda: leave(code))  # first registered, so it runs last
     install_capture()  # its atexit handler (the summary) runs after the script's, before leave()
@@ -64,6 +66,17 @@ def main(argv: list[str]) -> None:
         record(error, tb)
         code = 1
     sys.exit(code)
+
+
+def install_rank_output() -> None:
+    """`[rank<R>]: ` before each line the rank prints (trainjobs/rank_output.py), so `logs --rank R` can pick them."""
+    try:
+        from trainjobs.rank_output import install
+
+        install()
+    except Exception as error:  # noqa: BLE001 - the script runs all the same, its lines unmarked
+        print(f"[trainjobs] rank prefixes: not installed ({type(error).__name__}: {error})", file=sys.stderr,
+              flush=True)
 
 
 def install_capture() -> None:

@@ -66,10 +66,10 @@ class ProgressView:
 
 
 def follow(client: Client, job_id: str, console: Console | None = None, *, exit_on_ctrl_c: bool = True,
-           output: bool = False, node_rank: int = 0) -> dict:
+           output: bool = False, node_rank: int = 0, rank: int | None = None) -> dict:
     """Follow the job's event stream to its end, with a progress bar on `console` (none without one) and, with
-    `output`, the job's output (node `node_rank`'s) printed above it as it comes; returns the final job. Ctrl-C
-    stops the following only: the job runs on, and the follower exits 130 at once.
+    `output`, the job's output (node `node_rank`'s; with `rank`, that rank's lines) printed above it as it comes;
+    returns the final job. Ctrl-C stops the following only: the job runs on, and the follower exits 130 at once.
 
     NOTE: at once, from the signal handler, not by a KeyboardInterrupt: one raised while the progress bar's
     refresh thread holds its lock left that lock taken, and the bar's exit waited on it forever.
@@ -85,7 +85,7 @@ def follow(client: Client, job_id: str, console: Console | None = None, *, exit_
         os._exit(130)
 
     def run() -> dict:
-        return follow_events(client, job_id, console, output=output, node_rank=node_rank)
+        return follow_events(client, job_id, console, output=output, node_rank=node_rank, rank=rank)
 
     if not exit_on_ctrl_c or threading.current_thread() is not threading.main_thread():  # (no handler there)
         return run()
@@ -97,7 +97,7 @@ def follow(client: Client, job_id: str, console: Console | None = None, *, exit_
 
 
 def follow_events(client: Client, job_id: str, console: Console | None, *, output: bool = False,
-                  node_rank: int = 0) -> dict:
+                  node_rank: int = 0, rank: int | None = None) -> dict:
     job = client.get(job_id)
     view = ProgressView(job)
     # The bar shows the latest values: points written from now on, never the series' history.
@@ -119,7 +119,7 @@ def follow_events(client: Client, job_id: str, console: Console | None, *, outpu
                 view.apply(event)
             if output and event is not None and (
                     event.kind == "logs" or (event.kind == "status" and event.data["status"] in EXIT_CODES)):
-                offset = print_output(client, job_id, offset, node_rank, bar.console)
+                offset = print_output(client, job_id, offset, bar.console, node_rank=node_rank, rank=rank)
             fields = view.fields()
             bar.update(task, **fields)
             if plain and fields["status"] != said:
@@ -140,15 +140,77 @@ def submitted(client: Client, job: dict, args, console: Console, note: str = "")
         answer(job, True)
         return exit_code(job)
     console.print(f"submitted {job['id']} ({job['name']}){note}")
-    followed = follow(client, job["id"], console, output=not getattr(args, "quiet", False),
-                      node_rank=getattr(args, "node", 0))
+    rank, node = getattr(args, "rank", None), getattr(args, "node", None)
+    node_rank, rank = place(job, 0 if rank is None and node is None else rank, node)  # rank 0 unless told
+    followed = follow(client, job["id"], console, output=not getattr(args, "quiet", False), node_rank=node_rank,
+                      rank=rank)
     return print_outcome(followed, console)
 
 
-def print_output(client: Client, job_id: str, offset: int, node_rank: int, console: Console) -> int:
+def add_output_flags(parser) -> None:
+    """What `submit --follow` and `run --follow` print of the job's output."""
+    parser.add_argument("--quiet", action="store_true", help="with --follow: the progress bar alone, not the output")
+    parser.add_argument("--rank", type=rank_number, metavar="R",
+                        help="with --follow: rank R's output (default: rank 0's), with the lines no rank wrote "
+                        "(torchrun's own)")
+    parser.add_argument("--node", type=rank_number, metavar="K",
+                        help="with --follow: node K's output; alone, every rank's lines of it, each marked with "
+                        "its rank (default: the node of --rank)")
+
+
+def rank_number(text: str) -> int:
+    """An argparse type: a rank or node number, 0 or more."""
+    import argparse
+
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number 0 or more")
+    return int(text)
+
+
+def check_rank(rank: int | None, *, nnodes: int, nproc_per_node: int, job: str) -> None:
+    """A --rank the job has, or a ValueError naming --rank and the job's world size."""
+    world = nnodes * nproc_per_node
+    if rank is not None and rank >= world:
+        raise ValueError(f"--rank {rank}: {job} has world size {world} ({nnodes} node(s) × {nproc_per_node} "
+                         f"process(es)): its ranks are 0 to {world - 1}")
+
+
+def check_spec_rank(spec: dict, rank: int | None) -> None:
+    """Refuse --rank R of a job that would have no rank R before it is submitted (a spec the API would refuse is
+    left to its answer, which names the field)."""
+    if rank is None:
+        return
+    from pydantic import ValidationError
+
+    from trainjobs.spec import JobSpec
+
+    try:
+        resources = JobSpec.model_validate(spec).resources
+    except ValidationError:
+        return
+    check_rank(rank, nnodes=resources.nnodes, nproc_per_node=resources.nproc_per_node, job="the job")
+
+
+def place(job: dict, rank: int | None, node: int | None) -> tuple[int, int | None]:
+    """The node whose log to read and the rank whose lines to keep (None: every line, marked).
+
+    --rank R: node R // nproc_per_node unless --node says otherwise. NOTE: a gang's nodes are numbered by c10d's
+    rendezvous, not by the service (worker/launch.py), so rank R may run on another node: --node then finds it.
+    A job of one rank marks no line, so its whole log is that rank's: no filter (nor its wait for a line's end).
+    """
+    resources = job["spec"]["resources"]
+    nnodes, nproc = resources["nnodes"], resources["nproc_per_node"]
+    check_rank(rank, nnodes=nnodes, nproc_per_node=nproc, job=f"job {job['id']}")
+    if node is None:
+        node = 0 if rank is None else rank // nproc
+    return node, rank if nnodes * nproc > 1 else None
+
+
+def print_output(client: Client, job_id: str, offset: int, console: Console, *, node_rank: int = 0,
+                 rank: int | None = None) -> int:
     """The job's output from `offset` on (the user's text, printed as text, above the bar); the next offset."""
     while True:
-        text, after, _ = client.log_page(job_id, offset, node_rank=node_rank)
+        text, after, _ = client.log_page(job_id, offset, node_rank=node_rank, rank=rank)
         if text:
             console.print(Text(text), end="", soft_wrap=True)
         if after == offset or not text:

@@ -31,7 +31,7 @@ from service.cli import run as run_cli
 from service.cli import sweeps as sweeps_cli
 from service.cli import tokens as auth_cli
 from service.cli import webhooks as webhooks_cli
-from service.cli.follow import follow, print_outcome, submitted
+from service.cli.follow import add_output_flags, check_spec_rank, follow, place, print_outcome, rank_number, submitted
 from trainjobs.states import TERMINAL
 
 if TYPE_CHECKING:  # imported when a command runs (see main): `trainjobs --help` needs neither httpx nor pydantic
@@ -51,6 +51,8 @@ def load_spec(path: str) -> dict:
 def cmd_submit(args, client: Client) -> int:
     """Submit; with --follow, stream the job's progress and exit with its outcome (0, 1, or 130: cancelled)."""
     spec = load_spec(args.file)
+    if args.follow:
+        check_spec_rank(spec, args.rank)
     if args.workdir is not None:  # ship the folder: entrypoint.script (or module) is relative to it
         if not isinstance(spec.get("entrypoint"), dict):
             raise ValueError("--workdir ships your code with an entrypoint job: the spec needs an `entrypoint`")
@@ -111,14 +113,15 @@ def cmd_workers(args, client: Client) -> int:
 def cmd_logs(args, client: Client) -> int:
     """The output so far; with --follow, as it grows until the job ends. --json: one {"text"} object per line
     (JSON lines), or without --follow one object with the offset to resume from and the job's status."""
+    node, rank = (args.node or 0, None) if args.rank is None else place(client.get(args.job_id), args.rank, args.node)
     if not args.follow:
-        text, next_offset, status = client.log_page(args.job_id, node_rank=args.node)
+        text, next_offset, status = client.log_page(args.job_id, node_rank=node, rank=rank)
         if not args.json:
             sys.stdout.write(text)  # the output as it is: no table, no console
             return 0
-        return tables.answer({"job_id": args.job_id, "node_rank": args.node, "text": text,
+        return tables.answer({"job_id": args.job_id, "node_rank": node, "rank": rank, "text": text,
                               "next_offset": next_offset, "status": status}, True)
-    for text in client.follow_logs(args.job_id, node_rank=args.node):
+    for text in client.follow_logs(args.job_id, node_rank=node, rank=rank):
         sys.stdout.write(json.dumps({"text": text}) + "\n" if args.json else text)
         sys.stdout.flush()
     return 0
@@ -272,14 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     submit = sub.add_parser("submit", help="submit a job spec (JSON or YAML)")
     submit.add_argument("file")
     submit.add_argument("--follow", action="store_true",
-                        help="stream the job's output and progress until it ends; exit 0 succeeded, 1 failed, "
-                        "130 cancelled (Ctrl-C stops following, not the job)")
+                        help="stream the job's output (rank 0's; see --rank) and progress until it ends; exit 0 "
+                        "succeeded, 1 failed, 130 cancelled (Ctrl-C stops following, not the job)")
     submit.add_argument("--json", action="store_true", help="the job as JSON (with --follow: once it has ended)")
-    submit.add_argument("--quiet", action="store_true", help="with --follow: the progress bar alone, not the output")
+    add_output_flags(submit)
     submit.add_argument("--allow-unschedulable", action="store_true",
                         help="take the job though no live worker could run it now: it waits for one")
-    submit.add_argument("--node", type=int, default=0, metavar="K",
-                        help="with --follow: node K's output, for a multi-node job (default 0)")
     submit.add_argument("--workdir", metavar="DIR", help="pack and upload DIR with the job (entrypoint jobs)")
     submit.set_defaults(remote=cmd_submit)
     plan = sub.add_parser("plan", help="the memory plan of a job spec (DDP or FSDP, and why), without submitting")
@@ -299,8 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("job_id", metavar="JOB", help=JOB_HELP)
     logs.add_argument("--follow", action="store_true", help="stream new output until the job ends")
     logs.add_argument("--json", action="store_true", help="JSON (with --follow: JSON lines)")
-    logs.add_argument("--node", type=int, default=0, metavar="K",
-                      help="node K's log, for a multi-node job (default 0)")
+    logs.add_argument("--rank", type=rank_number, metavar="R", help="rank R's lines alone, unmarked, with the "
+                      "lines no rank wrote (default: every rank's, each marked with its rank in a multi-rank job)")
+    logs.add_argument("--node", type=rank_number, metavar="K",
+                      help="node K's log, for a multi-node job (default 0, or the node of --rank)")
     logs.set_defaults(remote=cmd_logs)
     workers = sub.add_parser("workers", help="the workers: state, slots, labels, current job, last heartbeat")
     workers.add_argument("--json", action="store_true", help="the list as the API returns it")

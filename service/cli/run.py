@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from service.cli import tables
-from service.cli.follow import submitted
+from service.cli.follow import add_output_flags, check_rank, submitted
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
     from trainjobs.client import Client
@@ -69,6 +69,8 @@ def make_spec(args) -> dict:
 
 def cmd_run(args, client: Client) -> int:
     spec = make_spec(args)
+    if args.follow:  # before anything is packed or sent
+        check_rank(args.rank, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, job="the job")
     workdir = None if args.no_workdir else Path(args.workdir)
     if workdir is not None:
         if not workdir.is_dir():
@@ -135,14 +137,12 @@ def register(sub) -> None:
     run.add_argument("--timeout", type=float, metavar="SECONDS", help="timeout_s (default 3600)")
     run.add_argument("--dry-run", action="store_true", help="print the spec (and the package's digest); send nothing")
     run.add_argument("--follow", action="store_true",
-                     help="stream the job's output and progress until it ends; exit 0 succeeded, 1 failed, "
-                        "130 cancelled (Ctrl-C stops following, not the job)")
+                     help="stream the job's output (rank 0's; see --rank) and progress until it ends; exit 0 "
+                     "succeeded, 1 failed, 130 cancelled (Ctrl-C stops following, not the job)")
     run.add_argument("--json", action="store_true", help="the job as JSON (with --follow: once it has ended)")
-    run.add_argument("--quiet", action="store_true", help="with --follow: the progress bar alone, not the output")
+    add_output_flags(run)
     run.add_argument("--allow-unschedulable", action="store_true",
                         help="take the job though no live worker could run it now: it waits for one")
-    run.add_argument("--node", type=int, default=0, metavar="K",
-                        help="with --follow: node K's output, for a multi-node job (default 0)")
     run.set_defaults(remote=cmd_run)
     packages = sub.add_parser("packages", help="your uploaded working directories (list, or --rm DIGEST)")
     packages.add_argument("--rm", metavar="DIGEST", help="delete that package (sha256:...)")

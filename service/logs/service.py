@@ -5,6 +5,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.logs.models import LogChunk
+from trainjobs.rank_output import rank_lines
 
 
 def log_size(db: Session, *, job_id: str, node_rank: int = 0) -> tuple[int, int]:
@@ -24,8 +25,14 @@ def append(db: Session, *, job_id: str, attempt: int, start: int, seq: int, text
     return length
 
 
-def read(db: Session, *, job_id: str, offset: int = 0, node_rank: int = 0) -> tuple[bytes, int]:
-    """The node's log from byte `offset` to the end, and the offset to ask for next."""
+def read(db: Session, *, job_id: str, offset: int = 0, node_rank: int = 0, rank: int | None = None,
+         final: bool = True) -> tuple[bytes, int]:
+    """The node's log from byte `offset` to the end, and the offset to ask for next.
+
+    With `rank`: only that rank's lines (their `[rank<R>]: ` taken off) and the lines no rank marked
+    (trainjobs/rank_output.py), and, unless `final` (the job has ended), only whole lines: the offset to ask for
+    next is then the start of the line not ended yet, whose start says whose it is.
+    """
     chunks = db.scalars(
         select(LogChunk)
         .where(LogChunk.job_id == job_id, LogChunk.node_rank == node_rank, LogChunk.start + LogChunk.length > offset)
@@ -35,4 +42,7 @@ def read(db: Session, *, job_id: str, offset: int = 0, node_rank: int = 0) -> tu
         return b"", max(offset, log_size(db, job_id=job_id, node_rank=node_rank)[0])
     data = b"".join(c.text.encode() for c in chunks)
     skip = max(0, offset - chunks[0].start)
-    return data[skip:], chunks[-1].start + chunks[-1].length
+    if rank is None:
+        return data[skip:], chunks[-1].start + chunks[-1].length
+    kept, used = rank_lines(data[skip:], rank, final=final)
+    return kept, chunks[0].start + skip + used  # the chunks are contiguous: a node's log has no gaps
