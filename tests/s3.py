@@ -1,13 +1,16 @@
 """The object store for tests (issue 31): moto's S3 server on a free loopback port, and a store that is down for
 its first few uploads, then back. Each test file keeps its own bucket."""
 
+import contextlib
 import logging
 import os
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import boto3
+import psutil
 
 from service.storage import DirectoryStore, StoreUnavailable
 from tests.helpers import free_port
@@ -45,6 +48,17 @@ def moto_s3(bucket: str) -> Iterator[str]:
             yield endpoint
     finally:
         server.stop()
+
+
+def lose_machines(workers: list, folders: list[Path]) -> None:
+    """kill -9 of each worker and every process under it (its work-horse, torchrun, the ranks), then its storage
+    dir: the machines are gone with their disks. A process that died with its parent meanwhile is skipped."""
+    tree = [p for w in workers for p in (psutil.Process(w.pid), *psutil.Process(w.pid).children(recursive=True))]
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(tree, timeout=10)
+    subprocess.run(["rm", "-rf", *map(str, folders)], check=True)
 
 
 class DownThenBack(DirectoryStore):

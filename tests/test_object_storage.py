@@ -3,7 +3,8 @@
 The backends (directory and S3) behind one interface, keys that cannot leave a job's prefix, a checkpoint that
 counts only once its manifest is written, the start checks; and end to end, a job whose worker is killed with
 kill -9 (every process of it) and its local storage dir deleted resumes on a second worker with a storage dir of
-its own from the store's checkpoint, and its artifacts download through an API whose storage dir is a third.
+its own from the store's checkpoint, and its artifacts download through an API whose storage dir is a third; so
+does a user's own script (entrypoint) that saves its checkpoints with the SDK's helpers and DCP.
 """
 
 import json
@@ -12,16 +13,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
+import trainjobs
 from service.settings import Settings
 from service.storage import DirectoryStore, StoreUnavailable, artifact_key, open_store
 from service.storage.store import checkpoint_key, manifest_key
 from service.storage.tree import upload_tree
 from tests.conftest import mlp_spec
 from tests.helpers import free_port, live_stack, processes_of, wait_for, wait_terminal
-from tests.s3 import AWS, DownThenBack, moto_s3
+from tests.s3 import AWS, DownThenBack, lose_machines, moto_s3
 from trainjobs.errors import InvalidRequest
 from trainjobs.paths import new_job_id
 from worker import sandbox
@@ -167,6 +168,18 @@ def test_no_aws_variable_reaches_a_job():
     assert sandbox.job_env(Settings(), env) == {"PATH": "/bin"}
 
 
+def lose_once_stored(stack, job_id: str, probe: Path, *, step: int, worker, folder: Path) -> int:
+    """Once the store holds a checkpoint of `step` or later, the worker's machine is lost: kill -9 of its every
+    process, its storage dir deleted. Returns the newest stored step (the least a resume may start from)."""
+    sync = AttemptSync(open_store(stack.settings), job_id=job_id, job_dir=probe, keep=2, wait_s=1)
+    wait_for(lambda: (m := sync.newest_manifest()) and m["step"] >= step, 90, what="a checkpoint in the store")
+    ranks = processes_of(job_id)
+    assert ranks and not any(k.startswith("AWS_") or k == "TRAINJOBS_STORAGE_URL" for p in ranks
+                             for k in p.environ())  # no credentials in the job's sandbox
+    lose_machines([worker], [folder])
+    return sync.newest_manifest()["step"]
+
+
 def test_a_job_killed_with_its_worker_resumes_on_another_from_the_store(s3_endpoint, postgres_url, tmp_path):
     dirs = {n: tmp_path / n for n in ("worker-a", "worker-b", "api")}
     url = f"s3://{BUCKET}/e2e"
@@ -179,18 +192,8 @@ def test_a_job_killed_with_its_worker_resumes_on_another_from_the_store(s3_endpo
                         data={"type": "synthetic_regression", "num_samples": 4096, "batch_size": 16},
                         train={"max_steps": 2000, "log_every": 100, "checkpoint_every": 300, "keep_checkpoints": 2})
         job_id = api.post("/v1/jobs", json=spec).json()["id"]
-        store, sync = open_store(stack.settings), None
-        sync = AttemptSync(store, job_id=job_id, job_dir=tmp_path / "probe", keep=2, wait_s=1)
-        wait_for(lambda: (m := sync.newest_manifest()) and m["step"] >= 600, 90, what="a checkpoint in the store")
-        ranks = processes_of(job_id)
-        assert ranks and not any(k.startswith("AWS_") or k == "TRAINJOBS_STORAGE_URL" for p in ranks
-                                 for k in p.environ())  # no credentials in the job's sandbox
-        tree = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
-        for proc in tree:  # kill -9 of the worker, its work-horse, torchrun and the ranks: the machine is gone
-            proc.kill()
-        psutil.wait_procs(tree, timeout=10)
-        stored_step = sync.newest_manifest()["step"]
-        subprocess.run(["rm", "-rf", str(dirs["worker-a"])], check=True)  # its disk with it
+        stored_step = lose_once_stored(stack, job_id, tmp_path / "probe", step=600, worker=first,
+                                       folder=dirs["worker-a"])
 
         stack.add_workers(1, env={"TRAINJOBS_STORAGE_DIR": str(dirs["worker-b"])})
         job = wait_terminal(api, job_id, timeout=120)
@@ -208,5 +211,80 @@ def test_a_job_killed_with_its_worker_resumes_on_another_from_the_store(s3_endpo
         assert got.status_code == 200
         assert got.content == (dirs["worker-b"] / "jobs" / job_id / "artifacts" / "model.pt").read_bytes()
         assert api.get(f"/v1/jobs/{job_id}/artifacts/..%2F..%2Fsecret").status_code in (404, 422)
-        assert len(store.list(manifest_key(job_id))) == 2  # retention: the last keep_checkpoints
+        assert len(open_store(stack.settings).list(manifest_key(job_id))) == 2  # retention: the last K
+        api.close()
+
+
+def test_the_sdk_names_marks_and_finds_a_scripts_checkpoints(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRAINJOBS_CHECKPOINT_DIR", raising=False)
+    assert trainjobs.checkpoint_path(5) is None and trainjobs.latest_checkpoint() is None  # outside the service
+    monkeypatch.setenv("TRAINJOBS_CHECKPOINT_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    first, second = trainjobs.checkpoint_path(5), trainjobs.checkpoint_path(40)
+    assert first == tmp_path / "step_00000005" and first.is_dir() and trainjobs.latest_checkpoint() is None
+    trainjobs.complete_checkpoint(first)
+    (second / ".metadata").write_bytes(b"DCP's, written last")
+    assert trainjobs.latest_checkpoint() == second
+    monkeypatch.setenv("RANK", "1")  # another rank: global rank 0 alone writes the mark
+    trainjobs.complete_checkpoint(trainjobs.checkpoint_path(50))
+    assert trainjobs.latest_checkpoint() == second
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="checkpoint_path"):
+        trainjobs.complete_checkpoint(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="step"):
+        trainjobs.checkpoint_path(-1)
+
+
+# A user's script: its state after step s is s (every rank), saved with DCP into trainjobs.checkpoint_path and marked
+# whole with trainjobs.complete_checkpoint; it resumes from trainjobs.latest_checkpoint. Its first attempt is slow.
+SAVES_CHECKPOINTS = """import os, time
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+import trainjobs
+
+STEPS, EVERY = 300, 25
+dist.init_process_group("gloo")
+state, start = {"weight": torch.zeros(4)}, 0
+if (latest := trainjobs.latest_checkpoint()) is not None:
+    dcp.load(state, checkpoint_id=latest)
+    start = int((latest / "step.txt").read_text())
+    print(f"resumed from {latest.name}", flush=True)
+for step in range(start + 1, STEPS + 1):
+    state["weight"] += 1
+    time.sleep(0.05 if os.environ["TRAINJOBS_ATTEMPT"] == "1" else 0)
+    trainjobs.report(step=step, loss=1.0 / step, total_steps=STEPS)
+    if step % EVERY == 0:
+        path = trainjobs.checkpoint_path(step)
+        if dist.get_rank() == 0:
+            (path / "step.txt").write_text(str(step))
+        dcp.save(state, checkpoint_id=path)
+        dist.barrier()
+        trainjobs.complete_checkpoint(path)
+trainjobs.summary(started_at=start, weight=state["weight"][0].item())
+dist.destroy_process_group()
+"""
+
+
+def test_a_scripts_checkpoints_are_stored_and_it_resumes_from_them_on_another_worker(s3_endpoint, postgres_url,
+                                                                                     tmp_path):
+    dirs = {n: tmp_path / n for n in ("worker-a", "worker-b", "api", "scripts")}
+    dirs["scripts"].mkdir()
+    (dirs["scripts"] / "saves.py").write_text(SAVES_CHECKPOINTS)
+    with live_stack(postgres_url, tmp_path / "data", name="store-script", workers=0, storage_url=f"s3://{BUCKET}/sdk",
+                    storage_dir=dirs["api"], lease_s=4.0, heartbeat_s=0.5, sweep_s=0.5, store_wait_s=30,
+                    allow_entrypoints=True, scripts_dir=dirs["scripts"]) as stack:
+        (first,) = stack.add_workers(1, env={"TRAINJOBS_STORAGE_DIR": str(dirs["worker-a"])})
+        api = stack.client(timeout=10)
+        spec = mlp_spec(name="script-resume", model=None, data=None, entrypoint={"script": "saves.py"},
+                        max_retries=1, train={"keep_checkpoints": 2})
+        job_id = api.post("/v1/jobs", json=spec).json()["id"]
+        stored_step = lose_once_stored(stack, job_id, tmp_path / "probe", step=100, worker=first,
+                                       folder=dirs["worker-a"])
+
+        stack.add_workers(1, env={"TRAINJOBS_STORAGE_DIR": str(dirs["worker-b"])})
+        job = wait_terminal(api, job_id, timeout=120)
+        assert job["status"] == "succeeded", job["error"]
+        assert job["summary"]["started_at"] >= stored_step > 0 and job["summary"]["weight"] == 300
+        assert f"resumed from step_{job['summary']['started_at']:08d}" in api.get(f"/v1/jobs/{job_id}/logs").text
+        names = [m.key.rsplit("/", 1)[1] for m in open_store(stack.settings).list(manifest_key(job_id))]
+        assert names[-1] == "step_00000300.json" and len(names) <= 2  # retention: keep_checkpoints
         api.close()

@@ -3,12 +3,15 @@
 A store that stops answering while a job trains (the server paused with SIGSTOP: connections open, no answer,
 as a store that is down or stuck looks to a client) and then comes back: the job trains on, its events say
 its checkpoints wait and when the store is back, and it succeeds with nothing lost. A 2-node gang stores each
-node's part of a checkpoint and a manifest only once both are in; killed with both its workers and their local
-dirs deleted, it resumes on two new workers, each with a local dir of its own, from the store.
+node's part of a checkpoint and a manifest only once both are in, whichever node global rank 0 runs on; killed
+with both its workers and their local dirs deleted, it resumes on two new workers, each with a local dir of its
+own path in a sandbox of its own, from the store; each node keeps only its newest copies, none still unstored.
+A user's script's checkpoint counts once marked whole (COMPLETE, or DCP's .metadata).
 """
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +19,6 @@ import time
 from pathlib import Path
 
 import boto3
-import psutil
 import pytest
 from sqlalchemy import create_engine, select
 
@@ -25,7 +27,8 @@ from service.storage import DirectoryStore, artifact_key, open_store
 from service.storage.store import checkpoint_key, manifest_key, part_key
 from tests.conftest import mlp_spec
 from tests.helpers import free_port, live_stack, wait_for, wait_terminal
-from tests.s3 import DownThenBack, aws_at
+from tests.s3 import DownThenBack, aws_at, lose_machines
+from trainjobs import paths
 from trainjobs.paths import new_job_id
 from worker.store_sync import BACK, WAITING, AttemptSync
 
@@ -118,6 +121,88 @@ def test_a_gang_checkpoint_counts_once_every_nodes_part_is_in_and_each_node_resu
     assert not store.list(part_key(job, "step_00000100")) and not store.list(checkpoint_key(job, "step_00000200"))
 
 
+def test_global_rank_0_on_node_1_leads_and_each_gang_node_keeps_only_its_newest_copies_none_unstored(tmp_path):
+    """c10d may give global rank 0 (the mark, the metadata) to any node; every node drops its local copies past
+    keep_checkpoints once it stored a newer part, but never one its part of is still to be stored."""
+    store, job = DirectoryStore(tmp_path / "store"), new_job_id()
+    (tmp_path / "store").mkdir()
+    nodes = [AttemptSync(store, job_id=job, job_dir=tmp_path / f"node{n}", keep=2, wait_s=1, node_rank=n, nnodes=2)
+             for n in (0, 1)]
+    local = [tmp_path / f"node{n}" / "checkpoints" for n in (0, 1)]
+
+    def save(step: int) -> None:  # node 1 holds global rank 0's files; node 0 rank 1's
+        shard(tmp_path / "node1", step, 0, complete=True)
+        shard(tmp_path / "node0", step, 1, complete=False)
+
+    for step in (100, 200):
+        save(step)
+        assert nodes[0].upload_newest() is None  # the lead's part is not in yet
+        assert nodes[1].upload_newest() == nodes[0].upload_newest() == f"step_{step:08d}"
+    assert nodes[1].newest_manifest()["name"] == "step_00000200"
+    for step in (300, 400, 500):  # the lead's uploads lag (a slow store): node 0's parts wait, and are all kept
+        save(step)
+        assert nodes[0].upload_newest() is None
+    assert sorted(os.listdir(local[0])) == [f"step_{s:08d}" for s in (100, 200, 300, 400, 500)]
+    assert nodes[1].upload_newest() == nodes[0].upload_newest() == "step_00000500"
+    for folder in local:  # 300 was never stored (each node stores its newest): gone with the older ones
+        assert sorted(os.listdir(folder)) == ["step_00000400", "step_00000500"]
+    manifest = nodes[0].newest_manifest()
+    assert manifest["name"] == "step_00000500" and {"COMPLETE", ".metadata", "__1_0.distcp"} <= set(manifest["files"])
+
+
+def test_an_earlier_attempts_unsealed_part_never_pairs_with_a_part_of_this_attempts(tmp_path):
+    """Attempt 1's lead stored its part of step 200 and died with its peer: attempt 2 (node 1 on the same machine,
+    node 0 on a fresh one) resumes from 100 and saves 200 again. Its node 0 must wait for the new lead's part, not
+    pair with the old one (a checkpoint of two different saves)."""
+    store, job = DirectoryStore(tmp_path / "store"), new_job_id()
+    (tmp_path / "store").mkdir()
+
+    def sync(n: int, folder: str) -> AttemptSync:
+        return AttemptSync(store, job_id=job, job_dir=tmp_path / folder, keep=2, wait_s=1, node_rank=n, nnodes=2)
+
+    old = [sync(0, "old0"), sync(1, "node1")]
+    for step in (100, 200):
+        shard(tmp_path / "node1", step, 0, complete=True)
+        shard(tmp_path / "old0", step, 1, complete=False)
+        assert old[1].upload_newest() == f"step_{step:08d}"
+        if step == 100:
+            assert old[0].upload_newest() == "step_00000100"
+    assert old[0].newest_manifest()["name"] == "step_00000100"  # then attempt 1 died: 200 is half in the store
+
+    new = [sync(0, "new0"), sync(1, "node1")]
+    for node in new:
+        assert node.restore() is None
+        node.start()
+        node.close()  # the upload thread is driven by hand below
+    shard(tmp_path / "new0", 200, 1, complete=False)  # attempt 2's node 0 saved 200 again
+    assert new[1].upload_newest() is None  # node 1's 200 is attempt 1's, left on its disk: never stored
+    assert new[0].upload_newest() is None  # and attempt 1's part of it is gone from the store
+    time.sleep(0.05)  # a new folder, a new change time (coarse clock)
+    shutil.rmtree(tmp_path / "node1" / "checkpoints" / "step_00000200")  # rank 0 saves 200 again
+    shard(tmp_path / "node1", 200, 0, complete=True)
+    assert new[1].upload_newest() == new[0].upload_newest() == "step_00000200"
+    assert new[0].newest_manifest()["name"] == "step_00000200"
+
+
+def test_a_scripts_checkpoint_counts_once_marked_by_complete_or_dcps_metadata(tmp_path):
+    store, job = DirectoryStore(tmp_path / "store"), new_job_id()
+    (tmp_path / "store").mkdir()
+    sync = AttemptSync(store, job_id=job, job_dir=tmp_path / "job", keep=2, wait_s=1, marks=paths.SCRIPT_MARKS)
+    folder = tmp_path / "job" / "checkpoints"
+    (folder / "step_00000010").mkdir(parents=True)
+    (folder / "step_00000010" / "__0_0.distcp").write_bytes(b"half")  # DCP's files, not its .metadata yet
+    (folder / "last.pt").write_bytes(b"not a checkpoint folder")
+    assert sync.upload_newest() is None
+    (folder / "step_00000010" / ".metadata").write_bytes(b"meta")
+    assert sync.upload_newest() == "step_00000010"
+    (folder / "step_00000020").mkdir()
+    (folder / "step_00000020" / "model.pt").write_bytes(b"w")
+    assert sync.upload_newest() is None
+    (folder / "step_00000020" / "COMPLETE").write_text("20\n")  # trainjobs.complete_checkpoint's mark
+    assert sync.upload_newest() == "step_00000020"
+    assert sorted(sync.newest_manifest()["files"]) == ["COMPLETE", "model.pt"]
+
+
 def test_the_jobs_events_say_once_that_its_checkpoints_wait_for_the_store_and_when_it_is_back(tmp_path):
     store, notes = DownThenBack(tmp_path / "store", down=4), []
     (tmp_path / "store").mkdir()
@@ -191,13 +276,11 @@ def test_a_store_paused_while_the_job_trains_delays_its_checkpoints_and_loses_no
 def test_a_two_node_gang_killed_with_its_workers_resumes_each_nodes_shards_from_the_store(moto_process, postgres_url,
                                                                                           tmp_path):
     url, dirs = f"s3://{BUCKET}/gang", {n: tmp_path / n for n in ("a0", "a1", "b0", "b1", "api")}
-    # NOTE: sandbox off: rank 0 names the checkpoint to load by its own path, which under a sandbox another node
-    # of this one machine cannot see; machines of a real pool share the TRAINJOBS_STORAGE_DIR path, not its disk.
-    env = {"TRAINJOBS_SANDBOX": "off"}
+    # Each worker its own TRAINJOBS_STORAGE_DIR path, each node in its own sandbox: no node sees another's folder.
     with live_stack(postgres_url, tmp_path / "data", name="store-gang", workers=0, storage_url=url,
                     storage_dir=dirs["api"], lease_s=4.0, heartbeat_s=0.5, sweep_s=0.5, gang_timeout_s=20,
                     store_wait_s=30) as stack:
-        first = [stack.add_workers(1, ["--slots", "1"], env={**env, "TRAINJOBS_STORAGE_DIR": str(dirs[n])})[0]
+        first = [stack.add_workers(1, ["--slots", "1"], env={"TRAINJOBS_STORAGE_DIR": str(dirs[n])})[0]
                  for n in ("a0", "a1")]
         api = stack.client(timeout=10)
         spec = mlp_spec(name="store-gang", resources={"nnodes": 2, "nproc_per_node": 1, "device": "cpu"},
@@ -208,25 +291,19 @@ def test_a_two_node_gang_killed_with_its_workers_resumes_each_nodes_shards_from_
         wait_for(lambda: (m := probe.newest_manifest()) and m["step"] >= 400, 180, what="a gang checkpoint stored")
         stored = probe.newest_manifest()
         assert {"__0_0.distcp", "__1_0.distcp", "COMPLETE"} <= set(stored["files"])  # both nodes' shards
-        tree = [p for w in first for p in (psutil.Process(w.pid), *psutil.Process(w.pid).children(recursive=True))]
-        for proc in tree:  # both machines gone, with their disks
-            proc.kill()
-        psutil.wait_procs(tree, timeout=10)
-        subprocess.run(["rm", "-rf", str(dirs["a0"]), str(dirs["a1"])], check=True)
+        lose_machines(first, [dirs["a0"], dirs["a1"]])  # both machines gone, with their disks
 
         for n in ("b0", "b1"):
-            stack.add_workers(1, ["--slots", "1"], env={**env, "TRAINJOBS_STORAGE_DIR": str(dirs[n])})
+            stack.add_workers(1, ["--slots", "1"], env={"TRAINJOBS_STORAGE_DIR": str(dirs[n])})
         job = wait_terminal(api, job_id, timeout=240)
         assert job["status"] == "succeeded", job["error"]
         second = [a for a in api.get(f"/v1/jobs/{job_id}/attempts").json()["data"] if a["status"] == "succeeded"]
         assert sorted(a["node_rank"] for a in second) == [0, 1]
         resumed = {a["resumed_from_step"] for a in second}
         assert len(resumed) == 1 and resumed.pop() >= stored["step"]
-        # Node 1 fetched the checkpoint into its own dir before its ranks began: with node 0's files, which its own
-        # ranks never write (node 0's ranks prune their folder as they go, node 1's keep theirs).
-        folders = [dirs[n] / "jobs" / job_id / "checkpoints" / f"step_{second[0]['resumed_from_step']:08d}"
-                   for n in ("b0", "b1")]
-        assert [f for f in folders if f.is_dir() and {".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp"}
-                <= set(os.listdir(f))]
+        # Each node, in a sandbox of its own, loaded the checkpoint from its own dir (fetched whole before its ranks
+        # began), and keeps only the newest keep_checkpoints of its own copies (global rank 0 prunes one node's).
+        for n in ("b0", "b1"):
+            assert sorted(os.listdir(dirs[n] / "jobs" / job_id / "checkpoints")) == ["step_00001000", "step_00001200"]
         assert probe.newest_manifest()["step"] == 1200 and len(probe._manifests()) == 2
         api.close()

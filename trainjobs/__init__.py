@@ -7,9 +7,11 @@ Light by rule: pydantic and httpx, never SQLAlchemy or torch (tests/test_layout.
 imports the reporter alone; Client and JobSpec load on first use.
 """
 
+from trainjobs.checkpoints import checkpoint_path, complete_checkpoint, latest_checkpoint
 from trainjobs.reporting import artifacts_dir, checkpoint_dir, report, summary
 
-__all__ = ["APIError", "Client", "JobSpec", "artifacts_dir", "checkpoint_dir", "report", "summary"]
+__all__ = ["APIError", "Client", "JobSpec", "artifacts_dir", "checkpoint_dir", "checkpoint_path", "complete_checkpoint",
+           "latest_checkpoint", "report", "summary"]
 
 _LAZY = {"Client": "trainjobs.client", "APIError": "trainjobs.client", "JobSpec": "trainjobs.spec"}
 

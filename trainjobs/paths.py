@@ -34,14 +34,28 @@ def job_dir(storage_dir: Path, job_id: str) -> Path:
 
 MODEL_FILE = "model.pt"  # in artifacts/: the built-in runtime's final weights (plain parameter names)
 CHECKPOINT_PREFIX, CHECKPOINT_COMPLETE = "step_", "COMPLETE"  # worker/train/checkpoint.py's layout
+# What marks a user's script's checkpoint `step_N` whole: COMPLETE (trainjobs.complete_checkpoint), or the
+# `.metadata` that torch.distributed.checkpoint's coordinator writes last, once every rank's files are written.
+SCRIPT_MARKS = (CHECKPOINT_COMPLETE, ".metadata")
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint folder's name (`step_00000500`: 500), or None for any other name."""
+    digits = name[len(CHECKPOINT_PREFIX):]
+    return int(digits) if name.startswith(CHECKPOINT_PREFIX) and digits.isdigit() and digits.isascii() else None
+
+
+def complete_checkpoints(root: Path, marks: tuple[str, ...] = (CHECKPOINT_COMPLETE,)) -> list[Path]:
+    """The checkpoint folders in `root` holding one of `marks` (written last, once the rest is), oldest first."""
+    found = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if checkpoint_step(p.name) is not None
+             and any((p / mark).is_file() for mark in marks)] if root.is_dir() else []
+    return sorted(found, key=lambda p: checkpoint_step(p.name))
 
 
 def latest_checkpoint(job_folder: Path) -> Path | None:
     """The newest complete checkpoint in a job's folder (torch-free: the API checks it too)."""
-    root = job_folder / CHECKPOINTS
-    found = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if (p / CHECKPOINT_COMPLETE).is_file()] \
-        if root.is_dir() else []
-    return max(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]), default=None)
+    found = complete_checkpoints(job_folder / CHECKPOINTS)
+    return found[-1] if found else None
 
 
 def partial_checkpoints(job_folder: Path) -> list[Path]:

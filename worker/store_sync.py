@@ -9,11 +9,12 @@ lacks the store's newest checkpoint downloads it (beside, then renamed into plac
 checkpoint and the artifacts are stored, retried up to `store_wait_s`; a job whose artifacts could not be stored
 fails naming the store rather than succeeding without them.
 
-A gang's nodes each hold their own ranks' files. Node 0 stores its part of a checkpoint once its COMPLETE is
-written (after every rank's barrier); every other node stores its part once node 0's part is in the store, and
-each writes a part list (`jobs/<id>/checkpoint-parts/step_N/node_K.json`). Whichever node sees every node's part
-writes the manifest, the union of the parts. A resume downloads the whole checkpoint on every node: DCP's loader
-reads an item from whichever rank's file holds it (a replicated tensor is saved once, by one rank).
+A gang's nodes each store their own part of a checkpoint (worker/store_gang.py), and the manifest once every part
+is in. A resume downloads the whole checkpoint on every node that lacks it whole: DCP's loader reads an item from
+whichever rank's file holds it (a replicated tensor is saved once, by one rank).
+
+A user's script (entrypoint) syncs the same way the checkpoints it writes as `TRAINJOBS_CHECKPOINT_DIR/step_N/`
+marked whole by COMPLETE (trainjobs.complete_checkpoint) or by DCP's own `.metadata` (paths.SCRIPT_MARKS).
 
 While the store is out of reach the job's events say so (`store_waiting`, then `store_back` once a checkpoint is
 stored again), so a user sees why its checkpoints lag.
@@ -45,6 +46,7 @@ from trainjobs.spec import JobSpec
 from trainjobs.states import ErrorType
 from worker.lease import Lease
 from worker.packages import PackageUnavailable
+from worker.store_gang import GangParts, folders, identity, marked, prune_copies
 
 log = logging.getLogger(__name__)
 STORE_UNAVAILABLE = ErrorType.STORE_UNAVAILABLE  # the job's error type when the store kept its artifacts out
@@ -81,7 +83,8 @@ def for_attempt(settings: Settings, *, job_id: str, job_dir: Path, spec: JobSpec
     if store is None:
         return NoSync()
     return AttemptSync(store, job_id=job_id, job_dir=job_dir, keep=spec.train.keep_checkpoints,
-                       wait_s=settings.store_wait_s, checkpoints=spec.entrypoint is None, node_rank=node_rank,
+                       wait_s=settings.store_wait_s, node_rank=node_rank,
+                       marks=paths.SCRIPT_MARKS if spec.entrypoint is not None else (paths.CHECKPOINT_COMPLETE,),
                        nnodes=spec.resources.nnodes if gang else 1,
                        note=event_writer(sessions, job_id) if sessions is not None else None,
                        **({} if lease is None else {
@@ -104,7 +107,7 @@ def event_writer(sessions: sessionmaker[Session], job_id: str) -> Callable[[str,
 
 class AttemptSync:
     def __init__(self, store: Store, *, job_id: str, job_dir: Path, keep: int, wait_s: float,
-                 checkpoints: bool = True, node_rank: int = 0, nnodes: int = 1,
+                 marks: tuple[str, ...] = (paths.CHECKPOINT_COMPLETE,), node_rank: int = 0, nnodes: int = 1,
                  stale: Callable[[], bool] = lambda: False, lost: Callable[[], bool] = lambda: False,
                  note: Callable[[str, str], None] | None = None, alive: Callable[[], None] | None = None):
         self.store, self.job_id, self.job_dir, self.keep, self.wait_s = store, job_id, job_dir, keep, wait_s
@@ -112,7 +115,11 @@ class AttemptSync:
         self.note = note or (lambda kind, detail: None)
         self.alive = alive or (lambda: None)
         self._waited_on = False  # the supervisor waits on the store (before launch, at the end): keep its lease
-        self.checkpoints = checkpoints  # the built-in runtime's step_N/COMPLETE layout
+        self.marks = marks  # the files that say a local step_N folder is whole (see paths.SCRIPT_MARKS)
+        self.root = job_dir / paths.CHECKPOINTS
+        self.gang = GangParts(store, job_id=job_id, node_rank=node_rank, nnodes=nnodes, marks=marks) \
+            if nnodes > 1 else None
+        self.found_at_start: dict[str, tuple[int, int]] = {}  # local folders before the ranks ran: not theirs
         self.stored_step = -1  # the newest checkpoint this node stored (its part, in a gang), or found stored
         self.waiting = False  # the store is out of reach: the job's events said so, and say when it is back
         self._stop = threading.Event()
@@ -122,8 +129,6 @@ class AttemptSync:
     def restore(self) -> dict | None:
         """The store's newest checkpoint into the local folder, where it lacks it; an error dict if the store
         stays out of reach for store_wait_s (the attempt then fails, retryable, rather than start from scratch)."""
-        if not self.checkpoints:
-            return None
         try:
             self._retrying(self._restore, what="fetching the newest checkpoint")
         except StoreUnavailable as exc:
@@ -133,13 +138,14 @@ class AttemptSync:
 
     def _restore(self) -> None:
         newest = self.newest_manifest()
+        if self.gang is not None:
+            self.gang.drop_unsealed(after=newest["step"] if newest else -1)
         if newest is None:
             return
         self.stored_step = newest["step"]
-        local = paths.latest_checkpoint(self.job_dir)
-        if local is not None and _step(local.name) >= newest["step"]:
+        if self._have(newest["name"]):
             return
-        root = self.job_dir / paths.CHECKPOINTS
+        root = self.root
         root.mkdir(parents=True, exist_ok=True)
         staging = root / f".restore-{newest['name']}-node{self.node_rank}"
         shutil.rmtree(staging, ignore_errors=True)
@@ -152,7 +158,7 @@ class AttemptSync:
                 raise StoreUnavailable(f"the store {self.store.url} gave {rel} of {newest['name']} with "
                                        f"{dest.stat().st_size} bytes, its manifest says {size}")
         final = root / newest["name"]
-        if (final / paths.CHECKPOINT_COMPLETE).is_file():  # another node of a gang sharing this folder was first
+        if self._whole(final):  # another node of a gang sharing this folder was first
             shutil.rmtree(staging, ignore_errors=True)
             return
         shutil.rmtree(final, ignore_errors=True)  # a half-written one of an attempt that died here
@@ -162,6 +168,19 @@ class AttemptSync:
             for path in (final, *final.rglob("*")):
                 os.lchown(path, owner.st_uid, owner.st_gid)
         log.info("job %s: checkpoint %s fetched from %s", self.job_id, newest["name"], self.store.url)
+
+    def _have(self, name: str) -> bool:
+        """Whether this machine holds the store's newest checkpoint whole, or (alone) a newer one: a gang's nodes
+        resume from one they all hold (worker/train/checkpoint.py), so a newer one of one node's does not do."""
+        local = self._newest_whole()
+        return local is not None and (local.name == name if self.nnodes > 1 else _step(local.name) >= _step(name))
+
+    def _newest_whole(self) -> Path | None:
+        found = paths.complete_checkpoints(self.root, self.marks)
+        return found[-1] if found else None
+
+    def _whole(self, folder: Path) -> bool:
+        return any((folder / mark).is_file() for mark in self.marks)
 
     def newest_manifest(self) -> dict | None:
         """The newest checkpoint the store holds whole (its manifest), or None."""
@@ -178,9 +197,9 @@ class AttemptSync:
 
     # --- while the ranks run -------------------------------------------------------------------------------------
     def start(self) -> None:
-        if self.checkpoints:
-            self._thread = threading.Thread(target=self._loop, name=f"store-sync-{self.job_id}", daemon=True)
-            self._thread.start()
+        self.found_at_start = {p.name: identity(p) for p in folders(self.root)}
+        self._thread = threading.Thread(target=self._loop, name=f"store-sync-{self.job_id}", daemon=True)
+        self._thread.start()
 
     def _loop(self) -> None:
         _in_the_background()
@@ -203,25 +222,28 @@ class AttemptSync:
         manifest (a gang's node: its part, then the manifest once every node's part is in), then retention.
         Returns its name, or None when there was nothing new."""
         local = self._ready()
-        if local is None or _step(local.name) <= self.stored_step or self.stale():
+        if local is None or self.stale():
             return None
+        lead = self._whole(local)
         try:
-            files = upload_tree(self.store, self.job_dir / paths.CHECKPOINTS, local.name,
+            files = upload_tree(self.store, self.root, local.name,
                                 lambda rel: checkpoint_key(self.job_id, local.name, rel), whole=True,
                                 each=self._tick)
         except FileNotFoundError:  # pruned by the ranks meanwhile: a newer one is there
             return None
         now = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file() and not p.is_symlink()}
-        if now != set(files) or (self.node_rank == 0 and paths.CHECKPOINT_COMPLETE not in files):
+        if now != set(files) or (lead and not marked(files, self.marks)):
             return None  # pruned under the upload
         if self.stale():
             return None
-        if self.nnodes == 1:
+        if self.gang is None:
             self._write_manifest(local.name, files)
         else:
-            part = {"node_rank": self.node_rank, "files": files}
-            self.store.put_bytes(part_key(self.job_id, local.name, self.node_rank), json.dumps(part).encode())
-            self.seal(local.name)
+            self.gang.put(local.name, files)
+            if (every := self.gang.union(local.name)) is not None:
+                self._write_manifest(local.name, every)
+            if self._fresh(local):  # the ranks wrote it: they are past loading any older one
+                prune_copies(self.root, keep=self.keep, upto=_step(local.name))
         self.stored_step = _step(local.name)
         log.info("job %s: checkpoint %s stored in %s (%d files of node %d)", self.job_id, local.name,
                  self.store.url, len(files), self.node_rank)
@@ -231,30 +253,23 @@ class AttemptSync:
         return local.name
 
     def _ready(self) -> Path | None:
-        """The newest local checkpoint whose files are all written: node 0's with COMPLETE; another node's once
-        node 0's part of it is stored (node 0 writes COMPLETE after every rank's barrier)."""
-        if self.node_rank == 0:
-            return paths.latest_checkpoint(self.job_dir)
-        parts = part_key(self.job_id)
-        steps = sorted({o.key[len(parts):].split("/", 1)[0] for o in self.store.list(parts)
-                        if o.key.endswith("/node_0.json")}, key=_step, reverse=True)
-        local = self.job_dir / paths.CHECKPOINTS
-        return next((local / name for name in steps if STEP.fullmatch(name) and (local / name).is_dir()), None)
+        """The newest local checkpoint newer than the one stored whose files are all written: one this node holds
+        whole (its mark is written last); in a gang, else one whose lead's part is stored (the lead's mark is
+        written after every rank's barrier, so this node's ranks had written theirs)."""
+        whole = self._newest_whole()
+        if self.gang is None:
+            return whole if whole is not None and _step(whole.name) > self.stored_step else None
+        if whole is not None and _step(whole.name) > self.stored_step and self._fresh(whole):
+            return whole
+        ready = self.gang.ready(self.root, after=self.stored_step)
+        return ready if ready is not None and self._fresh(ready) else None
 
-    def seal(self, name: str) -> bool:
-        """A gang's checkpoint: its manifest (the union of every node's files) once every node's part is in."""
-        if self.store.head(manifest_key(self.job_id, name)) is not None:
-            return True
-        files: dict[str, int] = {}
-        for node in range(self.nnodes):
-            try:
-                files.update(json.loads(self.store.get_bytes(part_key(self.job_id, name, node)))["files"])
-            except FileNotFoundError:
-                return False  # that node's part is not in yet: it writes the manifest when it is
-        if paths.CHECKPOINT_COMPLETE not in files:
+    def _fresh(self, folder: Path) -> bool:
+        """Written by this attempt's ranks, not left by an earlier attempt (see worker/store_gang.py)."""
+        try:
+            return self.found_at_start.get(folder.name) != identity(folder)
+        except FileNotFoundError:  # pruned meanwhile
             return False
-        self._write_manifest(name, files)
-        return True
 
     def _write_manifest(self, name: str, files: dict[str, int]) -> None:
         manifest = {"name": name, "step": _step(name), "files": files, "nodes": self.nnodes, "stored_at": time.time()}
@@ -292,7 +307,7 @@ class AttemptSync:
             return None
         try:
             self._retrying(self._store_last, what="storing the attempt's last checkpoint and artifacts")
-            if succeeded and self.checkpoints and self.node_rank > 0:
+            if succeeded and self.nnodes > 1:
                 self._retrying(self._store_last_part, what="storing this node's part of the last checkpoint")
         except StoreUnavailable as exc:
             log.error("job %s: %s", self.job_id, exc.message)
@@ -316,16 +331,13 @@ class AttemptSync:
         return not self.stale()
 
     def _store_last(self) -> None:
-        if self.checkpoints:
-            self.upload_newest()
-        if self.node_rank == 0:
-            self.upload_artifacts()
+        self.upload_newest()
+        self.upload_artifacts()  # every node's: global rank 0, which writes model.pt, may run on any node
 
     def _store_last_part(self) -> None:
-        """A gang's other node: its part of the last checkpoint, once node 0's is in (node 0 may end later)."""
-        local = self.job_dir / paths.CHECKPOINTS
-        newest = max((_step(p.name) for p in local.glob(f"{paths.CHECKPOINT_PREFIX}*") if STEP.fullmatch(p.name)),
-                     default=-1) if local.is_dir() else -1
+        """A gang's node: its part of the last checkpoint, once the lead's is in (the lead may end later)."""
+        found = [folder for folder in folders(self.root) if self._fresh(folder)]  # what this attempt saved
+        newest = _step(found[-1].name) if found else -1
         deadline = time.monotonic() + min(self.wait_s, LAST_PART_WAIT_S)
         while self.stored_step < newest and time.monotonic() < deadline and not self.stale():
             self._tick()

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from trainjobs.paths import checkpoint_step, complete_checkpoints
 from trainjobs.runenv import ATTEMPT_ENV
 from worker.train.distributed import Dist
 
@@ -46,14 +47,6 @@ class Position:
     step: int = 0
     epoch: int = 0
     batches_in_epoch: int = 0  # batches of this epoch already consumed
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob(f"{PREFIX}*") if (p / COMPLETE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
 class VettedLoadPlanner(DefaultLoadPlanner):
@@ -73,16 +66,30 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.root is not None and self.every is not None and step % self.every == 0
 
-    def latest(self) -> Path | None:
-        found = complete_checkpoints(self.root) if self.root else []
-        return found[-1] if found else None
+    def agreed_latest(self) -> Path | None:
+        """Collective: the newest checkpoint that every rank has complete under its own root, as a path there.
+
+        Each node names its checkpoints by folder, never by rank 0's path: with a store, a gang's machines each
+        keep their checkpoints under their own TRAINJOBS_STORAGE_DIR (one path per machine, and under a sandbox
+        one node cannot see another's), and a machine may hold a newer one that the others never fetched (its
+        part was never stored whole), which only some ranks could load.
+        """
+        names = {p.name for p in complete_checkpoints(self.root)} if self.root else set()
+        every: list[set[str] | None] = [None] * self.d.world_size
+        dist.all_gather_object(every, names)
+        common = max(set.intersection(*every), key=checkpoint_step, default=None)
+        mine = max(names, key=checkpoint_step, default=None)
+        if self.d.is_main and mine is not None and mine != common:
+            print(f"[trainjobs] checkpoint {mine} is not on every node: resuming from {common or 'scratch'}",
+                  flush=True)
+        return self.root / common if common else None
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, position: Position) -> Path:
         """Collective: every rank calls it at the same step."""
         check_owner(self.root.parent, "a checkpoint")
         path = self.root / f"{PREFIX}{position.step:08d}"
-        if self.d.is_main and path.exists():  # a half-written one from an attempt that died saving
-            shutil.rmtree(path)
+        if self.d.local_rank == 0 and path.exists():  # a half-written one from an attempt that died saving
+            shutil.rmtree(path, ignore_errors=True)  # on each node: a gang's may each have their own root
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)

@@ -142,10 +142,9 @@ def build(spec: JobSpec, data_dir: Path, reporter_path: Path | None, d: Dist) ->
     torch.manual_seed(cfg.seed + d.rank)  # then per-rank randomness
 
     checkpoints = Checkpointer(env_path(CHECKPOINT_DIR_ENV), d, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
-    latest = [checkpoints.latest() if d.is_main else None]
-    dist.broadcast_object_list(latest, src=0)  # rank 0 decides, so every rank loads the same one
-    position = checkpoints.load(latest[0], model, optimizer) if latest[0] else Position()
-    if latest[0] is None and (source := env_path(INIT_FROM_ENV)) is not None:  # its own checkpoint wins (a retry)
+    latest = checkpoints.agreed_latest()  # every rank the same one, each under its own node's root
+    position = checkpoints.load(latest, model, optimizer) if latest else Position()
+    if latest is None and (source := env_path(INIT_FROM_ENV)) is not None:  # its own checkpoint wins (a retry)
         load_weights(model, source)
         if d.is_main:
             print(f"[trainjobs] initialised the model from {source}", flush=True)
@@ -159,7 +158,7 @@ def build(spec: JobSpec, data_dir: Path, reporter_path: Path | None, d: Dist) ->
         evaluate=Evaluator(eval_set, spec, info, d) if eval_set is not None else None,
         # Local rank 0 of each node reports (a gang keeps a series per node); only global rank 0 the summary.
         reporter=Reporter(reporter_path, enabled=d.local_rank == 0),
-        position=position, resumed_from=latest[0], train_samples=len(train_set), n_params=n_params,
+        position=position, resumed_from=latest, train_samples=len(train_set), n_params=n_params,
         speed=Speed(global_batch=spec.data.batch_size * d.world_size * cfg.grad_accum_steps,
                     tokens_per_sample=info.tokens_per_sample, world_size=d.world_size,
                     sample_flops=flops_per_sample(spec.model, n_params, embedding_params),
