@@ -82,7 +82,7 @@ class Supervisor:
 
     def _run(self) -> Outcome:
         try:
-            code = prepare.find_code(self.spec, self.settings, self.run_dir)
+            code = prepare.find_code(self.spec, self.settings, self.run_dir, lease=self.lease)
         except prepare.REFUSALS as exc:  # before anything starts: the job fails, the worker goes on
             return Outcome(JobStatus.FAILED, error=prepare.refusal(exc))
         job_dir = paths.job_dir(self.settings.resolved_storage_dir, self.job_id)

@@ -23,6 +23,8 @@ from service.jobs.models import Job
 from service.packages import service as packages
 from service.scheduling import service as scheduling
 from service.settings import Settings
+from service.storage import Store, artifact_key, open_store
+from service.storage.store import manifest_key
 from service.workers import service as worker_rows
 from trainjobs import paths
 from trainjobs.spec import JobSpec
@@ -132,7 +134,7 @@ def check_own(db: Session, s: Submission, *, settings: Settings) -> None:
         packages.get(db, owner=s.principal.user, digest=spec.entrypoint.package, field="entrypoint.package")
     service.check_inputs(spec, data_dir=settings.data_dir)
     if spec.init_from is not None:
-        check_init_from(db, spec, principal=s.principal, storage_dir=settings.resolved_storage_dir)
+        check_init_from(db, spec, principal=s.principal, settings=settings)
 
 
 def check(spec: JobSpec, *, db: Session, settings: Settings, principal: Principal, wait: bool = False) -> JobSpec:
@@ -142,7 +144,7 @@ def check(spec: JobSpec, *, db: Session, settings: Settings, principal: Principa
     check_rights(principal, spec)
     service.check_inputs(spec, data_dir=settings.data_dir)
     if spec.init_from is not None:
-        check_init_from(db, spec, principal=principal, storage_dir=settings.resolved_storage_dir)
+        check_init_from(db, spec, principal=principal, settings=settings)
     live_workers = worker_rows.live(db, lost_after_s=settings.lease_s)
     worker_rows.check_pip(spec, live_workers=live_workers)
     if not wait:
@@ -151,11 +153,23 @@ def check(spec: JobSpec, *, db: Session, settings: Settings, principal: Principa
     return service.new_job(spec, owner=principal.user, workers=memory).spec
 
 
-def check_init_from(db, spec: JobSpec, *, principal, storage_dir) -> None:
-    """The job to start from is the caller's (or any, for an admin: else 404) and has the weights asked for."""
+def check_init_from(db, spec: JobSpec, *, principal, settings: Settings) -> None:
+    """The job to start from is the caller's (or any, for an admin: else 404) and has the weights asked for: in the
+    store where one is set (issue 31: the source may have run on any machine; a checkpoint counts once its
+    manifest is there), else in the storage dir. A store out of reach is a 503 (StoreUnavailable)."""
     source = db.get(Job, spec.init_from.job)
     if source is None or not (principal.is_admin or source.owner == principal.user):
         raise NotFound(f"init_from.job {spec.init_from.job!r} not found", field="init_from.job")
-    if paths.init_source(storage_dir, source.id, spec.init_from.checkpoint) is None:
+    store = open_store(settings)
+    found = (stored_weights(store, source.id, spec.init_from.checkpoint) if store is not None
+             else paths.init_source(settings.resolved_storage_dir, source.id, spec.init_from.checkpoint) is not None)
+    if not found:
         what = "final model (artifacts/model.pt)" if spec.init_from.checkpoint == "final" else "complete checkpoint"
         raise InvalidRequest(f"init_from.job {source.id} ({source.status}) has no {what}", field="init_from.job")
+
+
+def stored_weights(store: Store, job_id: str, checkpoint: str) -> bool:
+    """Whether the store holds the job's final model.pt, or ("latest") a checkpoint with its manifest."""
+    if checkpoint == "final":
+        return store.head(artifact_key(job_id, paths.MODEL_FILE)) is not None
+    return any(o.key.endswith(".json") for o in store.list(manifest_key(job_id)))

@@ -7,11 +7,13 @@ from pathlib import Path
 
 from service.packages.service import package_file
 from service.settings import Settings
+from service.storage import StoreUnavailable
 from trainjobs import paths
 from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType
-from worker import environments, launch, packages, sandbox, store_sync
+from worker import environments, launch, packages, sandbox, store_init, store_sync
 from worker.attempt.place import Placed
+from worker.lease import Lease
 
 # What refuses a job before anything of it starts: it fails, the worker goes on.
 REFUSALS = (launch.EntrypointRefused, packages.PackageUnavailable, packages.UnsafeArchive,
@@ -29,13 +31,14 @@ class Code:
     init_from: Path | None = None
 
 
-def find_code(spec: JobSpec, settings: Settings, run_dir: Path) -> Code:
-    """The attempt's code, unpacked and checked; raises one of REFUSALS when the job cannot run here."""
+def find_code(spec: JobSpec, settings: Settings, run_dir: Path, *, lease: Lease | None = None) -> Code:
+    """The attempt's code, unpacked and checked; raises one of REFUSALS when the job cannot run here. `lease`:
+    kept while init_from's weights are fetched from the store."""
     code_dir = unpack_package(spec, settings, run_dir)
     scripts_dir = code_dir or settings.resolved_scripts_dir
     entry_script = launch.check_entrypoint(spec, allowed=settings.allow_entrypoints, scripts_dir=scripts_dir)
     return Code(scripts_dir, code_dir, entry_script, requirements(spec, settings, code_dir),
-                init_weights(spec, settings))
+                init_weights(spec, settings, lease=lease))
 
 
 def refusal(exc: Exception) -> dict:
@@ -89,11 +92,17 @@ def requirements(spec: JobSpec, settings: Settings, code_dir: Path | None) -> li
     return lines
 
 
-def init_weights(spec: JobSpec, settings: Settings) -> Path | None:
-    """spec.init_from's weights as they are now (the latest checkpoint at this launch); None without one."""
+def init_weights(spec: JobSpec, settings: Settings, *, lease: Lease | None = None) -> Path | None:
+    """spec.init_from's weights as they are now (the latest checkpoint at this launch), in this machine's storage
+    dir: fetched from the store where one is set and the dir lacks them; None without init_from."""
     if spec.init_from is None:
         return None
-    source = paths.init_source(settings.resolved_storage_dir, spec.init_from.job, spec.init_from.checkpoint)
+    try:
+        source = store_init.fetch_init_source(settings, spec.init_from.job, spec.init_from.checkpoint, lease=lease)
+    except StoreUnavailable as exc:  # an outage, not the job's fault: retried as any other
+        raise launch.EntrypointRefused(ErrorType.STORE_UNAVAILABLE, f"init_from: {exc.message}: the weights of job "
+                                       f"{spec.init_from.job} could not be fetched within "
+                                       f"store_wait_s={settings.store_wait_s:g}s") from None
     if source is None:
         raise launch.EntrypointRefused(ErrorType.INIT_FROM_UNAVAILABLE, f"init_from: job {spec.init_from.job} has "
                                        f"no {spec.init_from.checkpoint} weights any more (deleted, or collected by "
