@@ -2,6 +2,7 @@
 `[rank<R>]: `; `logs --rank R`, GET .../logs?rank=R and `run --follow` (rank 0 by default) keep one rank's."""
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -9,6 +10,7 @@ import sys
 
 from tests.helpers import live_stack
 from trainjobs.rank_output import RankLines, rank_lines
+from worker.root_cause import root_cause
 
 
 def test_each_line_starts_with_the_rank_after_partial_writes_and_a_carriage_return():
@@ -114,3 +116,18 @@ def test_logs_mark_each_ranks_lines_and_rank_and_follow_pick_one(postgres_url, t
     assert other.returncode == 2 and f"--rank 7: job {job_id} has world size 2" in other.stdout, other.stdout
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["query", "rank"], bad.text
     assert single.returncode == 0 and "hello from rank 0" in single_log and "[rank" not in single_log, single_log
+
+
+def test_a_failed_ranks_error_excerpt_is_its_own_lines_and_torchruns(tmp_path):
+    failed = tmp_path / "torchelastic" / "none_x" / "attempt_0" / "1"
+    failed.mkdir(parents=True)
+    (failed / "error.json").write_text(json.dumps({"message": {
+        "message": "KeyError: 'lr'", "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1765000000"}}}))
+    tail = ("[rank0]: step 10 loss 0.5\n[rank1]: Traceback (most recent call last):\n[rank1]: KeyError: 'lr'\n"
+            "[rank0]: step 11 loss 0.4\nE1206 torch.distributed.elastic: failed (exitcode: 1) local_rank: 1\n")
+    error = root_cause(tmp_path, 1, excerpt=tail, entrypoint=True)
+    assert error["rank"] == 1 and error["type"] == "KeyError"
+    assert error["excerpt"] == ("Traceback (most recent call last):\nKeyError: 'lr'\n"
+                                "E1206 torch.distributed.elastic: failed (exitcode: 1) local_rank: 1\n")
+    gang = root_cause(tmp_path, 1, excerpt=tail, entrypoint=True, nproc=2)  # a gang's node: global rank unknown
+    assert gang["excerpt"] == tail

@@ -5,6 +5,7 @@ import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 
+from trainjobs.rank_output import rank_lines
 from trainjobs.states import ErrorType
 
 # Errors a rank reports when a *peer* died: never the root cause when another rank has one.
@@ -47,7 +48,16 @@ def root_cause(run_dir: Path, exit_code: int | None, *, excerpt: str, entrypoint
     if nproc is not None:
         where["local_rank"] = local_rank
     return {"type": kind or "Error", "message": text or message, "rank": rank, "exit_code": exit_code,
-            "traceback": stack[-4000:], "excerpt": excerpt, "raised_at": _iso(raised_at), **where}
+            "traceback": stack[-4000:], "excerpt": rank_excerpt(excerpt, rank), "raised_at": _iso(raised_at), **where}
+
+
+def rank_excerpt(excerpt: str, rank: int | None) -> str:
+    """The failing rank's lines of the output's tail, unprefixed, with those no rank marked (torchrun's): the
+    other ranks' chatter left out. Unchanged where the rank is unknown (a gang's node) or nothing is its."""
+    if rank is None:
+        return excerpt
+    kept, _ = rank_lines(excerpt.encode(), rank, final=True)
+    return kept.decode(errors="replace") or excerpt
 
 
 def _iso(epoch_s: int) -> str | None:
