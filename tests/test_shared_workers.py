@@ -12,11 +12,13 @@ from datetime import timedelta
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, select
+from sqlalchemy.orm import sessionmaker
 
 from service.db import utcnow
 from service.jobs.models import Attempt
 from service.workers import holds
-from service.workers.models import Hold
+from service.workers import service as workers
+from service.workers.models import Hold, Worker
 from tests.conftest import mlp_spec
 from tests.helpers import module_stack, processes_of, wait_for, wait_terminal
 
@@ -146,7 +148,6 @@ def test_a_gang_node_shares_a_worker_with_another_job_and_both_finish(api, stack
 
 def test_two_jobs_never_hold_one_device_and_a_restart_keeps_only_live_holds(postgres_url):
     engine = create_engine(postgres_url)
-    from sqlalchemy.orm import sessionmaker
     sessions = sessionmaker(engine)
     try:
         with sessions() as db:
@@ -162,6 +163,28 @@ def test_two_jobs_never_hold_one_device_and_a_restart_keeps_only_live_holds(post
             db.commit()
             assert holds.held(db, worker_id="w-race") == {2: ("j2", 0)}
             holds.release(db, worker_id="w-race", job_id="j2")
+            db.commit()
+    finally:
+        engine.dispose()
+
+
+def test_a_claim_after_its_devices_were_taken_counts_them_once(postgres_url):
+    """The worker's row says 2 busy slots of a job holding 2 devices from its claim on, not 4 until the bind:
+    `trainjobs workers` and the dashboard read busy_slots in that window too."""
+    engine = create_engine(postgres_url)
+    sessions = sessionmaker(engine)
+    try:
+        with sessions() as db:
+            workers.register(db, worker_id="w-once", host="h", address="127.0.0.1", device="cpu", slots=4,
+                             memory_bytes=None, host_memory_bytes=None, labels={}, max_jobs=2)
+            db.commit()
+            assert holds.take(db, worker_id="w-once", job_id="j-once", node_rank=0, devices=[0, 1])
+            workers.occupy(db, worker_id="w-once", job_id="j-once", slots=2)  # the claim's transaction
+            db.commit()
+            row = db.get(Worker, "w-once")
+            assert (row.busy_slots, row.current_job, row.state) == (2, "j-once", "busy")
+            holds.release(db, worker_id="w-once", job_id="j-once")
+            db.execute(Worker.__table__.delete().where(Worker.id == "w-once"))
             db.commit()
     finally:
         engine.dispose()

@@ -48,10 +48,14 @@ def beat(db: Session, *, worker_id: str, draining: bool = False, pressure: str |
 
 
 def occupy(db: Session, *, worker_id: str, job_id: str, slots: int) -> None:
-    """The worker took a job (in the claim's transaction); its devices' holds then say how many slots it holds."""
+    """The worker took a job (in the claim's transaction). Where it took the job's devices first (holds.take, a
+    worker that knows its devices), its holds say how many slots it holds: counting the job's slots on top would
+    show twice as many until the bind after the claim."""
     db.execute(update(Worker).where(Worker.id == worker_id).values(
         current_job=job_id, busy_slots=Worker.busy_slots + slots, last_seen=utcnow(),
         state=case((Worker.state == "draining", "draining"), else_="busy")))
+    if any(job == job_id for job, _ in holds.held(db, worker_id=worker_id).values()):
+        holds.sync_worker(db, worker_id=worker_id)
 
 
 def release(db: Session, *, worker_id: str, job_id: str, node_rank: int | None = None) -> None:
