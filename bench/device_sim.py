@@ -11,16 +11,20 @@ oldest first and any that fits starts, whether or not older ones could. They dif
    as policy.plan picks them (sorted by id: m00-g0, m00-g1, ...), with no notion of which share a machine.
 3. "device-level first-fit": one worker per machine runs several jobs; a job takes the k lowest-indexed free
    GPUs of the first machine (by id) with k free.
-4. "best-fit with topology": service.scheduling.placement.place (best fit across machines, the best-linked
-   set within), called as the scheduler will call it.
-4R. the same, plus a reservation (--reserve-after): once the oldest job of >= 8 GPUs has waited that long, the
+4. "best-fit with topology", as production places a job: policy.plan picks the worker (best fit: the fewest
+   free GPUs left; on a tie, service.scheduling.pool.nvlink_preference over the NVLink island each worker labels
+   itself with, so a small job leaves an NVLink machine whole; then the id), and the worker takes
+   placement.choose's best-linked set on it. The simulator calls the production rule, not a copy of it.
+4-. (only with --policies best-fit-plain) the policy 4 measured before that rule: placement.place (best fit
+   across machines, then link strength, then id: a tie sends a small job to the NVLink machine m00).
+4R. policy 4, plus a reservation (--reserve-after): once the oldest job of >= 8 GPUs has waited that long, the
    machines it will get (those with the most free GPUs) take no new job until it starts. It is the standard
    remedy for backfill starving the jobs that need a whole machine (EASY backfilling without runtimes).
-4P. (only with --policies) best fit, but a job of < 8 GPUs goes to a PCIe machine when one gives it its best
+4P. (only with --policies) 4-, but a job of < 8 GPUs goes to a PCIe machine when one gives it its best
    link, so NVLink machines stay whole for 8-GPU jobs: place() breaks a tie on link strength, which sends a
    2- or 4-GPU job to an NVLink machine over an equally good PCIe one.
 
-In 3, 4 and 4R a multi-node job (n nodes × 8 GPUs) needs n whole free machines (best fit: NVLink ones first).
+In 3, 4, 4- and 4R a multi-node job (n nodes × 8 GPUs) needs n whole free machines (best fit: NVLink ones first).
 
 The fleet: `mixed` (default) alternates an 8-GPU NVLink node (tests/fixtures/topo/dgx_h100_nvlink_8gpu.txt:
 every pair NV18) and a dual-socket PCIe node (pcie_4x4_dual_socket.txt: PIX pairs, NODE within a socket, SYS
@@ -43,7 +47,8 @@ every job has started, so every wait is measured, none censored):
   - waits of 1-GPU jobs (median, p95), the longest wait of a job of >= 8 GPUs, the p95 of 8-GPU jobs' waits.
   - locality: 8-GPU jobs on one NVLink island (all 8 on one NVLink machine) and on one machine; 2- and 4-GPU jobs
     whose worst internal link is the best that machine kind offers for that size (NV on NVLink nodes; a PIX pair
-    for 2 and one socket, NODE, for 4 on PCIe nodes). A gang across machines is neither.
+    for 2 and one socket, NODE, for 4 on PCIe nodes), and 2- and 4-GPU jobs on an NVLink node (what the NVLink
+    rule of policy 4 gives up for the 8-GPU jobs). A gang across machines is none of these.
   - fairness: Jain's index over users of x_u = GPU-hours received in [0, T] ÷ GPU-hours offered in [0, T] (as
     above, per user: 1.0 for everyone when no job waits); also, for context, Jain over each user's mean bounded
     slowdown ((wait + run) ÷ max(run, 10 min)), which one long wait of a short job moves a lot.
@@ -62,7 +67,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.scheduling import placement  # noqa: E402
-from service.scheduling.placement import Device, Machine, machine_from_topo, quality  # noqa: E402
+from service.scheduling.placement import Device, Machine, machine_from_topo, nvlink_island, quality  # noqa: E402
+from service.scheduling.pool import nvlink_preference  # noqa: E402
 
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -87,11 +93,12 @@ POLICIES = {
     "per-gpu": "2 one worker per GPU",
     "first-fit": "3 device-level first-fit",
     "best-fit": "4 best-fit with topology",
+    "best-fit-plain": "4- best-fit, no NVLink rule",  # not run by default: the policy 4 before the rule
     "best-fit+res": "4R best-fit + reservation",
     "best-fit+pcie": "4P best-fit, small jobs PCIe first",  # not run by default: see --policies
 }
 DEFAULT_POLICIES = ("whole", "per-gpu", "first-fit", "best-fit", "best-fit+res")
-DEVICE_LEVEL = ("first-fit", "best-fit", "best-fit+res", "best-fit+pcie")
+DEVICE_LEVEL = ("first-fit", "best-fit", "best-fit-plain", "best-fit+res", "best-fit+pcie")
 
 
 @dataclass(frozen=True)
@@ -179,6 +186,7 @@ class Sim:
         self.wakes: list[float] = []
         self.taken: dict[int, int] = {}  # job -> GPUs it took from the pool (policy 1: 8 per machine)
         self.index = {m.id: i for i, m in enumerate(machines)}
+        self.island = [nvlink_island(m) for m in machines]  # what each machine's worker labels itself with
         # The best worst link each kind of machine offers a job of k GPUs (all GPUs free; None for one GPU).
         self.best = {(self.nvlink[m.id], k): quality(m, placement.choose(m, set(range(GPUS)), k))
                      for m in machines for k in range(1, GPUS + 1)}
@@ -212,11 +220,23 @@ class Sim:
                 if len(f) >= k and i not in exclude:
                     return [(i, tuple(sorted(f)[:k]))]
             return None
-        if policy == "best-fit+pcie":  # 4P: a PCIe machine that gives the job its best link, else as 4
+        if policy in ("best-fit", "best-fit+res"):
+            return self._ranked_fit(k, exclude)
+        if policy == "best-fit+pcie":  # 4P: a PCIe machine that gives the job its best link, else as 4-
             got = self._best_fit(k, exclude, only_pcie=True)
             if got and quality(self.machines[got[0][0]], got[0][1]) == self.best.get((False, k)):
                 return got
         return self._best_fit(k, exclude)
+
+    def _ranked_fit(self, k: int, exclude: set[int]) -> list[tuple[int, tuple[int, ...]]] | None:
+        """Policy 4: the machine policy.plan assigns (its sort key: the free GPUs left, nvlink_preference, the
+        slots, all 8 here, and the id, whose order is the index's), then the set the worker's placement.choose
+        takes on it."""
+        fits = [i for i, f in enumerate(self.free) if len(f) >= k and i not in exclude]
+        if not fits:
+            return None
+        i = min(fits, key=lambda i: (len(self.free[i]) - k, nvlink_preference(k, self.island[i]), i))
+        return [(i, placement.choose(self.machines[i], self.free[i], k))]
 
     def _best_fit(self, k: int, exclude: set[int], only_pcie: bool = False) -> list[tuple[int, tuple[int, ...]]]:
         """placement.place over the machines with k free, one per distinct (topology, free set): the others would
@@ -356,6 +376,7 @@ def report(sim: Sim, jobs: list[Job], period: float, wall: float) -> dict:
         "nvlink8": sum(sim.local[j.id][1] for j in eights) / max(len(eights), 1),
         "one8": sum(sim.local[j.id][0] for j in eights) / max(len(eights), 1),
         "best24": sum(sim.local[j.id][2] for j in pairs) / max(len(pairs), 1),
+        "nv24": sum(sim.local[j.id][1] for j in pairs) / max(len(pairs), 1),
         "jain": jain([got[u] / asked[u] for u in asked]),
         "jain_slow": jain([sum(v) / len(v) for v in slow.values()]),
         "queued_at_T": sum(1 for j in jobs if sim.start[j.id] > period),
@@ -377,15 +398,15 @@ def fmt_t(s: float) -> str:
 
 def table(rows: list[tuple[str, dict]]) -> str:
     head = ["policy", "used/offered", "used/cap", "of trace", "held/cap", "1-GPU wait p50", "p95", "max wait >=8 GPU",
-            "8-GPU p95", "8-GPU on NVLink", "8-GPU 1 machine", "2/4 best link", "Jain recv/dem", "Jain slowdown",
-            "waiting at T", "wall"]
+            "8-GPU p95", "8-GPU on NVLink", "8-GPU 1 machine", "2/4 best link", "2/4 on NVLink", "Jain recv/dem",
+            "Jain slowdown", "waiting at T", "wall"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in rows:
         cells = [POLICIES[name], f"{r['used']:.1%}", f"{r['used_cap']:.1%}", f"{r['used_trace']:.1%}",
                  f"{r['held_cap']:.1%}",
                  fmt_t(r["p50"]), fmt_t(r["p95"]), fmt_t(r["large_max"]), fmt_t(r["eight_p95"]),
-                 f"{r['nvlink8']:.0%}", f"{r['one8']:.0%}", f"{r['best24']:.0%}", f"{r['jain']:.3f}",
-                 f"{r['jain_slow']:.3f}", str(r["queued_at_T"]), f"{r['wall']:.0f} s"]
+                 f"{r['nvlink8']:.0%}", f"{r['one8']:.0%}", f"{r['best24']:.0%}", f"{r['nv24']:.0%}",
+                 f"{r['jain']:.3f}", f"{r['jain_slow']:.3f}", str(r["queued_at_T"]), f"{r['wall']:.0f} s"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -17,7 +17,7 @@ import psutil
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE
-from service.scheduling.placement import Device, Machine
+from service.scheduling.placement import Device, Machine, nvlink_island
 from service.settings import Settings
 from service.workers import fit
 from service.workers import service as workers
@@ -96,7 +96,8 @@ def probe(settings: Settings, *, name: str, labels: dict[str, str] | None = None
     return Offer(id=name, host=socket.gethostname(), address=address,
                  device=device, slots=slots,
                  memory_bytes=gpu_bytes if device == "cuda" else host_bytes, host_memory_bytes=host_bytes,
-                 labels={**parse_labels(settings.worker_labels), **(labels or {}), **capabilities(settings)},
+                 labels={**parse_labels(settings.worker_labels), **(labels or {}), **capabilities(settings),
+                         **topology_labels(machine)},
                  max_jobs=min(slots, settings.worker_max_jobs or slots), machine=machine)
 
 
@@ -115,6 +116,13 @@ def capabilities(settings: Settings) -> dict[str, str]:
     """What the worker's switches let it do, as labels a job's needs match (service/workers/fit.py)."""
     labels = {fit.ENTRYPOINTS_LABEL: "true"} if settings.allow_entrypoints else {}
     return {**labels, fit.PIP_LABEL: "true"} if settings.allow_pip and settings.allow_entrypoints else labels
+
+
+def topology_labels(machine: Machine) -> dict[str, str]:
+    """What the scheduler, which sees labels and not links, must know of the GPUs' topology: the largest NVLink
+    island (fit.NVLINK_ISLAND_LABEL, "0" without NVLink), so best fit keeps small jobs off the NVLink machines
+    that 8-GPU jobs need. None on CPU."""
+    return {fit.NVLINK_ISLAND_LABEL: str(nvlink_island(machine))} if machine.kind == "cuda" else {}
 
 
 class DiskWatch:

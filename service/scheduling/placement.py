@@ -215,6 +215,26 @@ def quality(machine: Machine, devices: Sequence[int]) -> Link | None:
     return min((machine.link(a, b) for a, b in combinations(devices, 2)), default=None)
 
 
+def nvlink_island(machine: Machine) -> int:
+    """The size of the machine's largest set of GPUs all NVLink-connected to each other; 0 without an NVLink pair.
+
+    What the worker labels itself with (fit.NVLINK_ISLAND_LABEL), so that the scheduler, which sees workers and
+    not links, can keep small jobs off the machines whose NVLink a large job needs (pool.nvlink_preference)."""
+    nv = {d.index: {e.index for e in machine.devices if e.index != d.index
+                    and machine.link(d.index, e.index).level == Level.NV} for d in machine.devices}
+
+    def largest(candidates: set[int], best: int) -> int:
+        """The largest clique within `candidates` (each joined to all the caller's), if larger than `best`."""
+        candidates, best = set(candidates), max(best, 0)
+        while len(candidates) > best:  # a clique from here has at most len(candidates) devices
+            v = candidates.pop()
+            best = max(best, 1 + largest(candidates & nv[v], best - 1))
+        return best
+
+    size = largest(set(nv), 0)
+    return size if size >= 2 else 0
+
+
 def choose(machine: Machine, free: set[int], n: int) -> tuple[int, ...] | None:
     """The n free healthy devices to give a job, or None when fewer are free.
 

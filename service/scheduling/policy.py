@@ -30,10 +30,10 @@ function on a simulated month. The rules, in order:
    share first, then the lowest priority, then the least work lost; among machines, the one that frees the
    fewest devices beyond the need (preemption.py).
 
-Assignments are best-fit (the fitting worker left with the fewest free slots, then the smallest, then by id),
-so a small job does not take the big worker a later big job needs. A worker is only offered the jobs assigned
-to it: every worker that polls computes the same plan from the same rows, and the claim's compare-and-set
-decides races.
+Assignments are best-fit (the fitting worker left with the fewest free slots, then pool.nvlink_preference, then
+the smallest, then by id), so a small job does not take the big worker or the NVLink machine a big job needs. A
+worker is only offered the jobs assigned to it: every worker that polls computes the same plan from the same
+rows, and the claim's compare-and-set decides races.
 """
 
 from collections import defaultdict
@@ -55,6 +55,7 @@ from service.scheduling.pool import (
     Team,
     Waiting,
     device_noun,
+    nvlink_preference,
 )
 from service.scheduling.preemption import preempt
 from service.scheduling.reservations import reserve
@@ -279,8 +280,9 @@ def plan(snap: Snapshot) -> Plan:
             usable = [w for w in fits if room.open[w.id] >= job.need.slots or (
                 w.id in reserved and job.id not in mine and room.usable(w.id, True) >= job.need.slots
                 and reserved[w.id].lets(job, now))]
-            # Best fit: the worker left with the fewest free slots (whole machines stay free for big jobs).
-            usable.sort(key=lambda n: (room.free[n.id] - job.need.slots, n.slots, n.id))
+            # Best fit: the fewest free slots left (whole machines stay free for big jobs), then NVLink (pool.py).
+            usable.sort(key=lambda n: (room.free[n.id] - job.need.slots,
+                                       nvlink_preference(job.need.slots, n.nvlink_island), n.slots, n.id))
             if len(usable) >= job.need.nodes:
                 chosen = usable[:job.need.nodes]
                 for w in chosen:

@@ -6,6 +6,7 @@ bench/scheduler_sim.py from a simulated month; `policy.plan` turns it into a Pla
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from service.workers import fit
 
@@ -69,6 +70,26 @@ class Node:
         if self.room is not None:
             return self.room
         return self.slots if self.running is None else 0
+
+    @cached_property
+    def nvlink_island(self) -> int:
+        """Its largest NVLink island, as the worker labels itself (fit.NVLINK_ISLAND_LABEL); 0 without one.
+        Cached: best fit reads it for every job × worker of a plan."""
+        value = str(self.labels.get(fit.NVLINK_ISLAND_LABEL, "0"))
+        return int(value) if value.isdigit() else 0
+
+
+def nvlink_preference(need: int, island: int) -> tuple[bool, bool, int]:
+    """How well a job of `need` devices suits a worker whose largest NVLink island is `island`: lower is better.
+
+    Best fit breaks its ties by it (policy.plan; bench/device_sim.py measures it). First the workers whose island
+    the job does not break (island <= need: a PCIe machine, a smaller island, or one the job fills), so a 1-, 2-
+    or 4-GPU job leaves an NVLink machine whole for the 8-GPU job that needs it, even at some bandwidth of its
+    own (a PCIe pair instead of NVLink); then those whose island holds the whole job (2+ devices); then, among
+    islands it breaks, the smallest, and among those it does not, the largest (more of the job on NVLink).
+    """
+    breaks = need < island
+    return breaks, not (need >= 2 and island >= need), island if breaks else -island
 
 
 def device_noun(need: fit.Need, node: Node) -> str:

@@ -16,6 +16,9 @@ GiB = 2**30
 RESERVED_LABEL_PREFIX = "trainjobs.io/"
 PIP_LABEL = "trainjobs.io/pip"  # "true": it builds environments for entrypoint.requirements (TRAINJOBS_ALLOW_PIP)
 ENTRYPOINTS_LABEL = "trainjobs.io/entrypoints"  # "true": it runs users' own code (TRAINJOBS_ALLOW_ENTRYPOINTS)
+# The size of the machine's largest set of GPUs all NVLink-connected to each other ("0" without NVLink; absent on
+# CPU): what best fit breaks its ties by (pool.nvlink_preference).
+NVLINK_ISLAND_LABEL = "trainjobs.io/nvlink-island"
 
 
 class Offer(Protocol):
