@@ -62,6 +62,20 @@ def live_stack(postgres_url: str, data_dir: Path, *, name: str, workers: int = 1
         yield stack
 
 
+def stack_cli(stack, *, cwd: Path, config: Path, timeout: float = 240):
+    """`trainjobs ARGV` as a user runs it in `cwd` against `stack` (its URL and token in the environment, its own
+    config file, a wide terminal): a function of argv to the finished process."""
+    import os
+
+    env = {**os.environ, "TRAINJOBS_API_URL": stack.api_url, "TRAINJOBS_TOKEN": stack.token,
+           "TRAINJOBS_CONFIG": str(config), "COLUMNS": "160"}
+
+    def trainjobs(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "service.cli", *argv], env=env, cwd=cwd, text=True,
+                              capture_output=True, timeout=timeout)
+    return trainjobs
+
+
 def module_stack(name: str, *, worker_args: list[str] | None = None, **overrides):
     """A module-scoped `stack` fixture: one live API (and `workers`, with `worker_args`) for every test of a
     module; conftest's `api` fixture is a client on it. Usage: `stack = module_stack("e2e", lease_s=3)`."""

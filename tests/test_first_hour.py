@@ -130,23 +130,15 @@ dist.destroy_process_group()
 
 
 def test_run_follow_streams_the_scripts_lines_and_status_shows_its_exception(postgres_url, tmp_path):
-    import os
     import re
-    import subprocess
-    import sys
 
-    from tests.helpers import live_stack
+    from tests.helpers import live_stack, stack_cli
 
     project = tmp_path / "project"
     project.mkdir()
     (project / "train.py").write_text(OWN_SCRIPT)
     with live_stack(postgres_url, tmp_path / "data", name="firsthour", allow_entrypoints=True) as stack:
-        env = {**os.environ, "TRAINJOBS_API_URL": stack.api_url, "TRAINJOBS_TOKEN": stack.token,
-               "TRAINJOBS_CONFIG": str(tmp_path / "config.toml"), "COLUMNS": "160"}
-
-        def trainjobs(*argv: str) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "service.cli", *argv], env=env, cwd=project, text=True,
-                                  capture_output=True, timeout=240)
+        trainjobs = stack_cli(stack, cwd=project, config=tmp_path / "config.toml")
 
         ok = trainjobs("run", "--nproc-per-node", "2", "--follow", "--", "train.py")
         assert ok.returncode == 0, ok.stdout + ok.stderr

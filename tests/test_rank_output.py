@@ -3,12 +3,9 @@
 
 import io
 import json
-import os
 import re
-import subprocess
-import sys
 
-from tests.helpers import live_stack
+from tests.helpers import live_stack, stack_cli
 from trainjobs.rank_output import RankLines, rank_lines
 from worker.root_cause import root_cause
 
@@ -85,12 +82,7 @@ def test_logs_mark_each_ranks_lines_and_rank_and_follow_pick_one(postgres_url, t
     project.mkdir()
     (project / "ranks.py").write_text(SCRIPT)
     with live_stack(postgres_url, tmp_path / "data", name="rankout", allow_entrypoints=True) as stack:
-        env = {**os.environ, "TRAINJOBS_API_URL": stack.api_url, "TRAINJOBS_TOKEN": stack.token,
-               "TRAINJOBS_CONFIG": str(tmp_path / "config.toml"), "COLUMNS": "160"}
-
-        def trainjobs(*argv: str) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "service.cli", *argv], env=env, cwd=project, text=True,
-                                  capture_output=True, timeout=240)
+        trainjobs = stack_cli(stack, cwd=project, config=tmp_path / "config.toml")
 
         beyond = trainjobs("run", "--nproc-per-node", "2", "--follow", "--rank", "2", "--", "ranks.py")
         assert beyond.returncode == 2 and "--rank 2: the job has world size 2" in beyond.stdout, beyond.stdout
