@@ -1,6 +1,7 @@
 """Graceful preemption: a worker's SIGTERM checkpoints the job, hands it back to the queue, and another resumes it."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import psutil
 import pytest
 from redis import Redis
 from redis.client import PubSub
+from rq import Worker
 from rq.serializers import JSONSerializer
 from sqlalchemy import create_engine, select
 
@@ -22,6 +24,7 @@ from trainjobs import runenv
 from trainjobs.runenv import parse_record
 from trainjobs.spec import JobSpec
 from worker import launch, processes
+from worker import main as worker_main
 from worker.main import PreemptingWorker
 from worker.train.checkpoint import complete_checkpoints
 
@@ -106,6 +109,26 @@ def test_a_worker_leaves_its_pubsub_channel_at_once_even_when_its_listener_reads
     assert time.monotonic() - started < 3
     assert not thread.is_alive() and rq_worker.pubsub.connection is None
     conn.close()
+
+
+def test_a_sigterm_while_a_worker_starts_ends_it_cleanly_without_registering_it_in_redis():
+    # The database registers a worker before RQ's loop installs its handlers: a SIGTERM in between killed it
+    # (status -15, its row left to expire as lost; CI saw it). Now it is remembered, and RQ's start stops at once.
+    conn = Redis.from_url(REDIS_URL)
+    name = f"early-{time.time_ns()}"
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        worker_main.catch_stop_early()
+        os.kill(os.getpid(), signal.SIGTERM)  # this process survives it: the worker's start has begun
+        started = time.monotonic()
+        worker_main.serve(lambda: PreemptingWorker([], connection=conn, serializer=JSONSerializer, name=name),
+                          burst=False)  # returns: a stop, not a loop waiting for jobs
+        assert time.monotonic() - started < 5
+        assert name not in {w.name for w in Worker.all(connection=conn)}
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        conn.close()
 
 
 stack = module_stack("pre", reconcile_s=1, sweep_s=0.5)

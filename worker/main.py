@@ -33,6 +33,15 @@ from worker.sandbox import REDIS_AUTH_LABEL
 
 log = logging.getLogger(__name__)
 RESTART_MAX_S = 5.0  # the longest wait between two starts of the worker loop after an outage
+_stop_signals: list[int] = []  # shutdown signals that came before RQ's loop took them over (PreemptingWorker)
+
+
+def catch_stop_early() -> None:
+    """Until RQ's loop starts, a SIGTERM or SIGINT is remembered (its bootstrap then stops), not fatal: a worker
+    stopped while it starts (the database registered it, RQ not yet) leaves cleanly, deregistered, status 0."""
+    _stop_signals.clear()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: _stop_signals.append(signum))
 
 
 class PreemptingWorker(Worker):
@@ -49,6 +58,14 @@ class PreemptingWorker(Worker):
     draining = False  # shutting down: the workers table says so
 
     in_lane = False  # one lane of a shared worker (Lanes): its work-horses die with it
+
+    def bootstrap(self, *args, **kwargs) -> None:
+        # NOTE: RQ installs its handlers after bootstrap (which registers in Redis). First here, then the signals
+        # that came before (catch_stop_early): a stop at any moment of the start is RQ's warm shutdown.
+        self._install_signal_handlers()
+        if _stop_signals:
+            self.request_stop(_stop_signals[0], None)  # not busy: raises StopRequested, nothing registered
+        super().bootstrap(*args, **kwargs)
 
     def setup_work_horse_signals(self) -> None:
         super().setup_work_horse_signals()
@@ -113,6 +130,7 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     """Flags override the environment (TRAINJOBS_WORKER_SLOTS, _DEVICE, _LABELS, _ADDRESS), then detection."""
     # First: this process and its work-horses (forks) hold the database and Redis URLs, and the ranks of an
     # entrypoint job are their descendants with the same uid (service/undumpable.py).
+    catch_stop_early()
     if not make_undumpable():
         logging.getLogger(__name__).warning("could not make the worker undumpable: jobs of its uid can read "
                                             "its environment (the database URL) from /proc")
@@ -161,6 +179,8 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     if offer.max_jobs > 1:  # forked before the heartbeat's thread starts: a fork copies no lock a thread holds
         log.info("worker %s runs up to %d jobs at once, each on devices of its own", name, offer.max_jobs)
         lanes = Lanes(offer.max_jobs, lambda i: serve(lambda: make_worker(f"{name}.{i}"), burst=burst), burst=burst)
+        if _stop_signals:  # stopped while it started: its lanes stop too
+            lanes.forward(_stop_signals[0], None)
 
     def draining() -> bool:
         return lanes.draining if lanes else bool(current) and current[0].draining
@@ -194,10 +214,11 @@ class Lanes:
         self.serve_lane, self.burst = serve_lane, burst
         self.pids: dict[int, int] = {}  # pid -> lane
         self.draining = False
-        signal.signal(signal.SIGTERM, self._forward)
-        signal.signal(signal.SIGINT, self._forward)
+        signal.signal(signal.SIGTERM, self.forward)
+        signal.signal(signal.SIGINT, self.forward)
         for i in range(count):
-            self._start(i)
+            if not self.draining:  # a stop while they start: the rest never do
+                self._start(i)
 
     def wait(self) -> None:
         """Until every lane ended (a shutdown, or with burst empty queues)."""
@@ -223,10 +244,9 @@ class Lanes:
             return
         code = 0
         try:
+            catch_stop_early()  # first: the parent's handler (forward) would signal this lane's siblings
             processes.die_with_parent(signal.SIGKILL)
             PreemptingWorker.in_lane = True
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
             self.serve_lane(lane)
         except BaseException:  # noqa: BLE001 - a lane's crash: logged, and the worker starts it again
             log.exception("lane %d failed", lane)
@@ -235,7 +255,7 @@ class Lanes:
             logging.shutdown()
             os._exit(code)
 
-    def _forward(self, signum, frame) -> None:
+    def forward(self, signum, frame) -> None:
         self.draining = True
         for pid in list(self.pids):
             try:
