@@ -6,6 +6,9 @@ tokens/s, MFU against the device's bf16 peak (trainjobs/peaks.py), GPU busy %. T
 the memory plan fits (trainjobs/plan.py, with its headroom), capped by --max-batch. Jobs start only while the
 --budget-s lasts (default 8 minutes, all in); a skipped row says so.
 
+First, on cuda, the GPU check of issue 30: two 1-GPU jobs at once, each must see exactly the GPU its attempt was
+assigned, by UUID (`CUDA_VISIBLE_DEVICES`, torch and `nvidia-smi -L` from inside the job's sandbox).
+
 `--dry-run` plans every row and prints the table's head without a service or a GPU (a CPU test runs it);
 `--device cpu --size small` runs the same rows for real on gloo (no MFU: a CPU has no peak in the table).
 """
@@ -15,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +33,13 @@ SIZES = {  # ~0.94B parameters: the class the issue's MFU goal names; and a toy 
     "small": {"type": "gpt", "n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 32, "vocab_size": 256},
 }
 JOB_START_S = 90  # a row starts only with this much budget left (start, compile, steps, the final save)
+SEES = """import json, os, subprocess, time, torch
+listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.splitlines()
+print("SEES " + json.dumps({"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "count": torch.cuda.device_count(),
+      "torch": [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())],
+      "smi": [line for line in listed if "UUID" in line]}), flush=True)
+time.sleep(10)  # two such jobs overlap: each holds its GPU while the other starts
+"""
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,41 @@ def run_row(api, job_spec: dict) -> dict:
     return wait_job(api, job["id"], poll_s=1.0, timeout=900)
 
 
+def uuid_check(api, scripts: Path, gpus: int) -> str:
+    """Issue 30 on a GPU: min(2, gpus) 1-GPU jobs at once; each job's ranks see exactly the GPU its attempt was
+    assigned (GET /v1/jobs/{id} `placement`), by UUID, and no other; with two, they are different GPUs."""
+    import json
+
+    from bench.common import wait_job
+
+    (scripts / "sees.py").write_text(SEES)
+    spec_ = {"name": "device-uuid-check", "resources": {"nproc_per_node": 1, "device": "cuda"},
+             "entrypoint": {"script": "sees.py"}, "timeout_s": 120}
+    ids = [api.post("/v1/jobs", json=spec_).json().get("id") for _ in range(min(2, max(gpus, 1)))]
+    if not all(ids):
+        return "uuid check: refused"
+    verdicts, assigned, spans = [], [], []
+    for job_id in ids:
+        job = wait_job(api, job_id, poll_s=1.0, timeout=180)
+        spans.append((job.get("started_at") or "", job.get("finished_at") or ""))
+        logs = api.get(f"/v1/jobs/{job_id}/logs").text
+        seen = next((json.loads(line[5:]) for line in logs.splitlines() if line.startswith("SEES ")), None)
+        uuids = [u for p in job.get("placement") or [] for u in p.get("uuids") or []]
+        assigned += uuids
+        if job["status"] != "succeeded" or seen is None or len(uuids) != 1:
+            verdicts.append(f"{job_id}: {job['status']}, assigned {uuids}, saw {seen}")
+            continue
+        mine = uuids[0].removeprefix("GPU-")
+        ok = (seen["count"] == 1 and [u.removeprefix("GPU-") for u in seen["torch"]] == [mine]
+              and len(seen["smi"]) == 1 and mine in seen["smi"][0])
+        verdicts.append(f"{job_id}: {'ok' if ok else 'WRONG'} (assigned {uuids[0]}, CUDA_VISIBLE_DEVICES="
+                        f"{seen['visible']}, torch {seen['torch']}, nvidia-smi {len(seen['smi'])} GPU)")
+    overlapped = len(spans) == 2 and spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]
+    shared = overlapped and len(set(assigned)) < len(assigned)
+    return ("uuid check: " + "; ".join(verdicts) + ("; WRONG: two jobs held the same GPU at once" if shared else "")
+            + ("" if overlapped or len(ids) == 1 else "; the two jobs did not overlap"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -152,7 +198,10 @@ def main() -> None:
         return
     from bench.common import bench_stack
 
-    with bench_stack() as (_stack, api):
+    with tempfile.TemporaryDirectory(prefix="trainjobs-gpu-scripts-") as scripts, \
+            bench_stack(allow_entrypoints=True, scripts_dir=Path(scripts)) as (_stack, api):
+        if args.device == "cuda":
+            print(uuid_check(api, Path(scripts), gpus), flush=True)
         for row, batch, plan_mb in planned:
             left = args.budget_s - (time.monotonic() - started)
             if left < JOB_START_S:
