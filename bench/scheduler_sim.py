@@ -82,6 +82,7 @@ class Job:
     progress_at_start: float = 0.0  # work_s when this attempt started
     attempt: int = 0
     preempt_requested: bool = False
+    preempted_for: str = ""  # the waiting job this attempt was preempted for (bench/scheduler_sim_audit.py)
     first_start: float | None = None
     waits: list[float] = field(default_factory=list)
 
@@ -238,7 +239,7 @@ class Sim:
         for p in result.preemptions:
             victim = self.running[p.victim]
             assert not victim.preempt_requested and victim.priority != "high"
-            victim.preempt_requested = True
+            victim.preempt_requested, victim.preempted_for = True, p.for_job
             self.preemptions += 1
             self.push(self.now + HANDBACK_S, "handback", victim.id, victim.attempt)
         self.wake(result)
