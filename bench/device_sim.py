@@ -14,17 +14,17 @@ oldest first and any that fits starts, whether or not older ones could. They dif
 4. "best-fit with topology", as production places a job: policy.plan picks the worker (best fit: the fewest
    free GPUs left; on a tie, service.scheduling.pool.nvlink_preference over the NVLink island each worker labels
    itself with, so a small job leaves an NVLink machine whole; then the id), and the worker takes
-   placement.choose's best-linked set on it. The simulator calls the production rule, not a copy of it.
-4-. (only with --policies best-fit-plain) the policy 4 measured before that rule: placement.place (best fit
-   across machines, then link strength, then id: a tie sends a small job to the NVLink machine m00).
+   placement.choose's best-linked set on it. A one-node job that fills an island (8 GPUs) takes only NVLink
+   machines while any is live (pool.island_floor, TRAINJOBS_NVLINK_WHOLE_JOBS); a gang only prefers them. The
+   simulator calls the production rules, not copies of them.
+4o. (in the defaults) policy 4 with that setting off: NVLink only orders the machines (production before it).
+4-. (only with --policies best-fit-plain) policy 4 before nvlink_preference: placement.place across machines.
 4R. policy 4, plus a reservation (--reserve-after): once the oldest job of >= 8 GPUs has waited that long, the
-   machines it will get (those with the most free GPUs) take no new job until it starts. It is the standard
-   remedy for backfill starving the jobs that need a whole machine (EASY backfilling without runtimes).
-4P. (only with --policies) 4-, but a job of < 8 GPUs goes to a PCIe machine when one gives it its best
-   link, so NVLink machines stay whole for 8-GPU jobs: place() breaks a tie on link strength, which sends a
-   2- or 4-GPU job to an NVLink machine over an equally good PCIe one.
+   machines it will get (the most free GPUs, among those island_floor lets it take) take no new job until it
+   starts: the standard remedy for backfill starving jobs that need a whole machine (EASY without runtimes).
+4P. (only with --policies) 4-, but a job of < 8 GPUs goes to a PCIe machine that gives it its best link.
 
-In 3, 4, 4- and 4R a multi-node job (n nodes × 8 GPUs) needs n whole free machines (best fit: NVLink ones first).
+In 3, 4, 4o, 4- and 4R a multi-node job (n nodes × 8 GPUs) needs n whole free machines (best fit: NVLink ones first).
 
 The fleet: `mixed` (default) alternates an 8-GPU NVLink node (tests/fixtures/topo/dgx_h100_nvlink_8gpu.txt:
 every pair NV18) and a dual-socket PCIe node (pcie_4x4_dual_socket.txt: PIX pairs, NODE within a socket, SYS
@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.scheduling import placement  # noqa: E402
 from service.scheduling.placement import Device, Machine, machine_from_topo, nvlink_island, quality  # noqa: E402
-from service.scheduling.pool import nvlink_preference  # noqa: E402
+from service.scheduling.pool import island_floor, nvlink_preference  # noqa: E402
 
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -93,12 +93,14 @@ POLICIES = {
     "per-gpu": "2 one worker per GPU",
     "first-fit": "3 device-level first-fit",
     "best-fit": "4 best-fit with topology",
+    "best-fit-order": "4o best-fit, NVLink only orders",  # policy 4 with TRAINJOBS_NVLINK_WHOLE_JOBS=false
     "best-fit-plain": "4- best-fit, no NVLink rule",  # not run by default: the policy 4 before the rule
     "best-fit+res": "4R best-fit + reservation",
     "best-fit+pcie": "4P best-fit, small jobs PCIe first",  # not run by default: see --policies
 }
-DEFAULT_POLICIES = ("whole", "per-gpu", "first-fit", "best-fit", "best-fit+res")
-DEVICE_LEVEL = ("first-fit", "best-fit", "best-fit-plain", "best-fit+res", "best-fit+pcie")
+DEFAULT_POLICIES = ("whole", "per-gpu", "first-fit", "best-fit-order", "best-fit", "best-fit+res")
+DEVICE_LEVEL = ("first-fit", "best-fit-order", "best-fit", "best-fit-plain", "best-fit+res", "best-fit+pcie")
+WHOLE_ISLANDS = ("best-fit", "best-fit+res")  # the policies production's island rule (island_floor) binds
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,8 @@ def _memoize_choose() -> None:
 
 class Sim:
     """One policy over one trace. The waiting jobs sit in one FIFO per size: a pass tries the oldest head; when a
-    size cannot start, no larger one can either (in every policy here, what fits a job fits a smaller one), so
-    a pass costs the jobs it starts plus at most one failure per size, however long the queue."""
+    size cannot start, no larger one can (what fits a job fits a smaller one, but the island rule may keep an 8-GPU
+    job off machines a gang may take: then only its size waits), so a pass costs its starts and a failure a size."""
 
     def __init__(self, jobs: list[Job], policy: str, machines: list[Machine], nvlink: dict[str, bool],
                  reserve_after_s: float) -> None:
@@ -187,6 +189,7 @@ class Sim:
         self.taken: dict[int, int] = {}  # job -> GPUs it took from the pool (policy 1: 8 per machine)
         self.index = {m.id: i for i, m in enumerate(machines)}
         self.island = [nvlink_island(m) for m in machines]  # what each machine's worker labels itself with
+        self.floors: dict[tuple[int, int], frozenset[int]] = {}  # (GPUs a node, nodes) -> machines it may not take
         # The best worst link each kind of machine offers a job of k GPUs (all GPUs free; None for one GPU).
         self.best = {(self.nvlink[m.id], k): quality(m, placement.choose(m, set(range(GPUS)), k))
                      for m in machines for k in range(1, GPUS + 1)}
@@ -201,6 +204,7 @@ class Sim:
 
     def fit(self, job: Job, exclude: set[int]) -> list[tuple[int, tuple[int, ...]]] | None:
         k, policy = job.gpus, self.policy
+        exclude = exclude | self._no_island(job)
         if policy == "whole":
             got = self._whole_free(exclude, job.nodes, nvlink_first=False)
             return [(i, tuple(range(GPUS))) for i in got] if got else None
@@ -220,13 +224,21 @@ class Sim:
                 if len(f) >= k and i not in exclude:
                     return [(i, tuple(sorted(f)[:k]))]
             return None
-        if policy in ("best-fit", "best-fit+res"):
+        if policy in ("best-fit", "best-fit-order", "best-fit+res"):
             return self._ranked_fit(k, exclude)
         if policy == "best-fit+pcie":  # 4P: a PCIe machine that gives the job its best link, else as 4-
             got = self._best_fit(k, exclude, only_pcie=True)
             if got and quality(self.machines[got[0][0]], got[0][1]) == self.best.get((False, k)):
                 return got
         return self._best_fit(k, exclude)
+
+    def _no_island(self, job: Job) -> frozenset[int]:
+        """The machines production's island rule keeps the job off (here every machine fits, and all are live)."""
+        key = (min(job.gpus, GPUS), job.nodes)
+        if key not in self.floors:
+            floor = island_floor(*key, self.island) if self.policy in WHOLE_ISLANDS else 0
+            self.floors[key] = frozenset(i for i, island in enumerate(self.island) if island < floor)
+        return self.floors[key]
 
     def _ranked_fit(self, k: int, exclude: set[int]) -> list[tuple[int, tuple[int, ...]]] | None:
         """Policy 4: the machine policy.plan assigns (its sort key: the free GPUs left, nvlink_preference, the
@@ -279,15 +291,15 @@ class Sim:
         exclude: set[int] = set()
         if self.reserve_after_s < math.inf:
             exclude = self._reserve(now)
-        limit = math.inf  # sizes >= limit cannot start in this pass
+        blocked: set[int] = set()  # sizes that cannot start in this pass
         while True:  # the holder of a reservation, if any, could not start: nor can a job of its size elsewhere
-            heads = [q[0] for s, q in self.queues.items() if q and s < limit and q[0] is not self.holder]
+            heads = [q[0] for s, q in self.queues.items() if q and s not in blocked and q[0] is not self.holder]
             if not heads:
                 return
             job = min(heads, key=lambda j: j.submit)
             got = self.fit(job, exclude)
-            if got is None:
-                limit = job.gpus
+            if got is None:  # no larger size fits either, unless the island rule kept this one off some machines
+                blocked.update([job.gpus] if self._no_island(job) else [s for s in SIZES if s >= job.gpus])
                 continue
             self._start(job, got, now)
 
@@ -306,8 +318,8 @@ class Sim:
             self.holder, self.reserved = None, []
             return self._reserve(now)  # the next oldest may be past the bound too
         held = set(self.reserved) if self.holder is oldest else set()
-        order = sorted(range(MACHINES), key=lambda i: (-len(self.free[i]), i not in held,
-                                                        not self.nvlink[self.machines[i].id], i))
+        order = sorted(set(range(len(self.machines))) - self._no_island(oldest),
+                       key=lambda i: (-len(self.free[i]), i not in held, not self.nvlink[self.machines[i].id], i))
         self.holder, self.reserved = oldest, order[:oldest.nodes]
         return set(self.reserved)
 

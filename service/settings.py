@@ -150,6 +150,9 @@ class Settings(BaseSettings):
                                       "priority only if it ends before the gang's queued + reserve_after_s + this")
     max_reservations: int = Field(1, ge=1, description="gangs holding reservations at once, the oldest first (more "
                                   "bound more gangs' waits, and delay big one-node jobs)")
+    nvlink_whole_jobs: bool = Field(True, description="a job whose node fills an NVLink island (8 GPUs where the "
+                                    "largest is 8) waits for a worker with one rather than run across PCIe, while "
+                                    "a live worker with one fits it; false: NVLink only orders the workers that fit")
     # What this worker offers, where detection is not what you want (`trainjobs worker --slots/--device/--label`).
     worker_slots: int | None = Field(None, ge=1, description="default: GPUs (cuda), else CPU cores")
     worker_device: Literal["cpu", "cuda"] | None = None  # default: cuda when nvidia-smi lists a GPU

@@ -1,5 +1,6 @@
 """Which worker a job goes to by NVLink (issue 30): the worker labels its largest NVLink island, best fit breaks
-its ties by it (pool.nvlink_preference), and bench/device_sim.py measures that same rule. Pure: no stack."""
+its ties by it (pool.nvlink_preference), a one-node job that fills an island waits for one (pool.island_floor,
+TRAINJOBS_NVLINK_WHOLE_JOBS), and bench/device_sim.py measures those same rules. Pure: no stack."""
 
 import os
 from pathlib import Path
@@ -7,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from bench import device_sim
+from service.scheduling import service as scheduling
 from service.scheduling.placement import Device, Level, Link, Machine, cpu_machine, machine_from_topo, nvlink_island
-from service.scheduling.policy import Node, Settings, Snapshot, Waiting, plan
-from service.scheduling.pool import nvlink_preference
+from service.scheduling.policy import Node, Running, Settings, Snapshot, Waiting, plan
+from service.scheduling.pool import island_floor, nvlink_preference
 from service.settings import Settings as ServiceSettings
 from service.workers.fit import NVLINK_ISLAND_LABEL, Need
 from worker import inventory
@@ -88,8 +90,10 @@ def gpu_node(node_id: str, island: int | None, room: int = 8) -> Node:
     return Node(node_id, "cuda", 8, labels=labels, running="busy" if room < 8 else None, room=room)
 
 
-def job(job_id: str, gpus: int, submitted: float = 0.0) -> Waiting:
-    return Waiting(job_id, "alice", "normal", "normal", submitted, submitted, Need("cuda", gpus, None, None), 3600.0)
+def job(job_id: str, gpus: int, submitted: float = 0.0, *, nodes: int = 1, selector: dict | None = None,
+        memory: int | None = None, priority: str = "normal") -> Waiting:
+    need = Need("cuda", gpus, memory, "cuda" if memory else None, labels=selector or {}, nodes=nodes)
+    return Waiting(job_id, "alice", priority, priority, submitted, submitted, need, 3600.0)
 
 
 def assigned(nodes: list[Node], *jobs: Waiting) -> dict[str, list[str]]:
@@ -123,14 +127,94 @@ def test_a_worker_without_the_label_counts_as_no_nvlink():
     assert assigned(nodes, job("eight", 8)) == {"eight": ["w1"]}
 
 
-# --- the simulator measures the same rule ---
+# --- a one-node job that fills an island waits for one (pool.island_floor) ---
+
+NOW = 10_000.0
 
 
-def simulate(policy: str) -> device_sim.Sim:
-    """m00 NVLink, m01 PCIe; a 1-GPU job, then an 8-GPU job while it runs."""
+def test_only_a_one_node_job_that_fills_the_largest_island_is_held_to_it():
+    assert island_floor(8, 1, [8, 0, 0]) == 8  # an 8-GPU job on a fleet of DGX and PCIe machines
+    assert island_floor(4, 1, [4, 0]) == 4  # a 4-GPU job where the islands are NVLink quads
+    # Smaller than the largest island: nvlink_preference sends it off NVLink on purpose, so it is never held there.
+    assert island_floor(4, 1, [8, 0]) == island_floor(2, 1, [8, 0]) == island_floor(1, 1, [1, 0]) == 0
+    assert island_floor(8, 1, [0, 0]) == island_floor(8, 1, []) == 0  # no island anywhere: it runs where it fits
+    assert island_floor(8, 2, [8, 8, 0]) == 0  # a gang's nodes talk over the network anyway: it only prefers one
+
+
+def busy_nvlink_and_free_pcie() -> tuple[list[Node], list[Running]]:
+    """w1, the DGX, runs a 5-GPU job that ends in 3,000 s (3 GPUs free); w2, a PCIe machine, is idle."""
+    running = [Running("five", "bob", "normal", 5, 1, NOW - 600, 3600.0, ("w1",))]
+    return [Node("w1", "cuda", 8, labels={NVLINK_ISLAND_LABEL: "8"}, running="five", room=3),
+            gpu_node("w2", 0)], running
+
+
+def test_an_8_gpu_job_waits_for_the_nvlink_machine_rather_than_take_the_free_pcie_one():
+    nodes, running = busy_nvlink_and_free_pcie()
+    result = plan(Snapshot(NOW, [job("eight", 8)], running, nodes))
+    place = result.place("eight")
+    assert place.workers == []
+    assert place.reason == "needs 8 GPUs on one NVLink island; every worker with one is busy (w1: 3 free)"
+    assert place.estimated_start == NOW + 3000  # when the job on the DGX ends
+    # The PCIe machine stays open to the jobs that do not fill an island, behind it in the queue or not.
+    both = plan(Snapshot(NOW, [job("eight", 8, 0.0), job("four", 4, 1.0)], running, nodes))
+    assert {p.job_id: p.workers for p in both.order} == {"eight": [], "four": ["w2"]}
+
+
+def test_with_the_setting_off_the_8_gpu_job_takes_the_free_pcie_machine_as_before(tmp_path, monkeypatch):
+    nodes, running = busy_nvlink_and_free_pcie()
+    monkeypatch.setenv("TRAINJOBS_NVLINK_WHOLE_JOBS", "false")
+    settings = scheduling.policy_settings(ServiceSettings(data_dir=tmp_path))
+    assert settings.nvlink_whole_jobs is False and Settings().nvlink_whole_jobs is True  # on by default
+    result = plan(Snapshot(NOW, [job("eight", 8)], running, nodes, settings=settings))
+    assert result.place("eight").workers == ["w2"]
+
+
+def test_a_pcie_only_fleet_still_runs_an_8_gpu_job():
+    assert assigned([gpu_node("w1", 0, room=3), gpu_node("w2", 0)], job("eight", 8)) == {"eight": ["w2"]}
+    # Nor does a DGX that the job does not fit otherwise (too little memory per GPU) hold it back.
+    small = Node("w3", "cuda", 8, memory_bytes=40 * 2**30, labels={NVLINK_ISLAND_LABEL: "8"}, room=8)
+    big = Node("w4", "cuda", 8, memory_bytes=80 * 2**30, labels={NVLINK_ISLAND_LABEL: "0"}, room=8)
+    assert assigned([small, big], job("eight", 8, memory=60 * 2**30)) == {"eight": ["w4"]}
+
+
+def test_a_4_gpu_job_takes_the_nvlink_machine_rather_than_wait_for_a_pcie_one():
+    assert assigned([gpu_node("w1", 8), gpu_node("w2", 0, room=2)], job("four", 4)) == {"four": ["w1"]}
+
+
+def test_a_gang_of_8_gpu_nodes_runs_on_pcie_machines_while_the_dgx_is_busy():
+    nodes = [gpu_node("w1", 8, room=3), gpu_node("w2", 0), gpu_node("w3", 0)]
+    assert assigned(nodes, job("gang", 8, nodes=2)) == {"gang": ["w2", "w3"]}
+
+
+def test_a_selector_wins_over_the_rule():
+    nodes = [gpu_node("w1", 8), Node("w2", "cuda", 8, labels={NVLINK_ISLAND_LABEL: "0", "zone": "b"}, room=8)]
+    assert assigned(nodes, job("eight", 8, selector={"zone": "b"})) == {"eight": ["w2"]}
+    # "Run now on PCIe rather than wait for NVLink", said the way a user can.
+    assert assigned(nodes, job("eight", 8, selector={NVLINK_ISLAND_LABEL: "0"})) == {"eight": ["w2"]}
+
+
+def test_a_high_8_gpu_job_preempts_only_on_a_machine_it_may_take():
+    # Stopping one job on the PCIe machine w2 would free it; the job may only go to the DGX w1, which takes two.
+    running = [Running(r, "carol", "low", 1, 1, NOW - 1000, 3600.0, (w,)) for r, w in
+               (("a", "w1"), ("b", "w1"), ("c", "w2"))]
+    nodes = [Node("w1", "cuda", 8, labels={NVLINK_ISLAND_LABEL: "8"}, running="a", room=6),
+             Node("w2", "cuda", 8, labels={NVLINK_ISLAND_LABEL: "0"}, running="c", room=7)]
+    urgent = job("urgent", 8, NOW - 61, priority="high")
+    result = plan(Snapshot(NOW, [urgent], running, nodes))
+    assert sorted(p.victim for p in result.preemptions) == ["a", "b"]
+    assert result.place("urgent").reason.endswith("; preempting 2 lower-priority job(s) on w1 for 8 GPUs")
+    old = plan(Snapshot(NOW, [urgent], running, nodes, settings=Settings(nvlink_whole_jobs=False)))
+    assert [p.victim for p in old.preemptions] == ["c"]
+
+
+# --- the simulator measures the same rules ---
+
+
+def simulate(policy: str, jobs: list[device_sim.Job] | None = None) -> device_sim.Sim:
+    """m00 NVLink, m01 PCIe; by default a 1-GPU job, then an 8-GPU job while it runs."""
     devices = [Device(i, f"GPU-{i}") for i in range(8)]
     machines = [machine_from_topo("m00", DGX, devices), machine_from_topo("m01", PCIE, devices)]
-    jobs = [device_sim.Job(0, 0, 1, 3600.0, 0.0), device_sim.Job(1, 0, 8, 3600.0, 60.0)]
+    jobs = jobs or [device_sim.Job(0, 0, 1, 3600.0, 0.0), device_sim.Job(1, 0, 8, 3600.0, 60.0)]
     sim = device_sim.Sim(jobs, policy, machines, {"m00": True, "m01": False}, reserve_after_s=float("inf"))
     sim.run()
     return sim
@@ -140,3 +224,11 @@ def test_the_simulators_best_fit_keeps_the_nvlink_machine_for_the_8_gpu_job():
     assert simulate("best-fit").local[1][1]  # the 8-GPU job on the NVLink machine
     assert not simulate("best-fit-plain").local[1][1]  # before the rule: the 1-GPU job broke it up
     assert device_sim.nvlink_preference is nvlink_preference  # the production rule itself, not a copy
+
+
+def test_the_simulators_8_gpu_job_waits_for_the_busy_nvlink_machine_as_production_does():
+    jobs = [device_sim.Job(0, 0, 8, 3600.0, 0.0), device_sim.Job(1, 0, 8, 3600.0, 60.0)]
+    before, now = simulate("best-fit-order", jobs), simulate("best-fit", jobs)
+    assert (before.start[1], before.local[1][1]) == (60.0, False)  # at once, on the PCIe machine
+    assert (now.start[1], now.local[1][1]) == (3600.0, True)  # once the first one leaves the NVLink machine
+    assert device_sim.island_floor is island_floor

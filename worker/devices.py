@@ -171,9 +171,18 @@ def visible(devices: list[Device], mask: str | None) -> list[Device]:
 
 
 def as_rows(machine: Machine) -> list[dict]:
-    """The inventory as the workers table keeps it (and /v1/workers shows it)."""
+    """The inventory as the workers table keeps it (and /v1/workers shows it). A GPU's row names its links to the
+    others (index -> "NV12", "PIX", ...), so the scheduler picks the devices a reservation holds as this worker
+    would (service/scheduling/service.py machine_of); CPU slots' links follow from their NUMA nodes."""
+    def links(d: Device) -> dict[str, str]:
+        if machine.kind != "cuda":
+            return {}
+        return {str(e.index): str(machine.link(d.index, e.index)) for e in machine.devices if e.index != d.index
+                and ((d.index, e.index) in machine.links or (e.index, d.index) in machine.links)}
+
     return [{"index": d.index, "uuid": d.uuid, "memory_bytes": d.memory_bytes, "healthy": d.healthy,
-             "numa_node": d.numa_node, "cores": list(d.cores), "reason": d.reason} for d in machine.devices]
+             "numa_node": d.numa_node, "cores": list(d.cores), "reason": d.reason,
+             **({"links": found} if (found := links(d)) else {})} for d in machine.devices]
 
 
 def share(machine: Machine, devices: list[int]) -> dict:

@@ -55,6 +55,10 @@ class Chooser:
         self.shared = getattr(offer, "max_jobs", 1) > 1
         # The lanes of one worker take entries one at a time (the holds' key would refuse a second taker anyway).
         self.lock_path = settings.runs_dir / f".take-{offer.id.replace('/', '_')}.lock" if self.shared else None
+        # From the last plan: the devices held here for a job (a reservation's, a forming gang's), and those a
+        # reservation lets a job take (backfill that ends before it fills). Other jobs keep off them.
+        self.kept: dict[str, tuple[int, ...]] = {}
+        self.let: dict[str, set[int]] = {}
 
     @contextmanager
     def taking(self):
@@ -83,7 +87,7 @@ class Chooser:
             machine = devices.with_health(self.machine, devices.reported_health(
                 workers.device_rows(db, worker_id=self.offer.id)))
             free = {d.index for d in machine.devices} - set(holds.held(db, worker_id=self.offer.id))
-            chosen = placement.choose(machine, free, need)
+            chosen = self.pick(machine, free, need, job_id)
             if chosen is None:
                 log.info("job %s: %d of %d devices free on %s now; its entry goes back", job_id, len(free), need,
                          self.offer.id)
@@ -94,22 +98,43 @@ class Chooser:
                          self.offer.id, sorted(free))
             return taken
 
+    def pick(self, machine: placement.Machine, free: set[int], need: int, job_id: str) -> tuple[int, ...] | None:
+        """The devices a job's node gets of those free: a job the plan holds devices for gets exactly them; any
+        other job the best linked set of the rest, else (as the plan places it: open slots first) of those too
+        that a reservation lets it take."""
+        own = self.kept.get(job_id)
+        if own is not None and len(own) == need and {d.index for d in machine.devices if d.healthy
+                                                     and d.index in free}.issuperset(own):
+            return own
+        others = set().union(*(d for j, d in self.kept.items() if j != job_id))
+        chosen = placement.choose(machine, free - others, need)
+        if chosen is None and self.let.get(job_id):
+            chosen = placement.choose(machine, free - (others - self.let[job_id]), need)
+        return chosen
+
     def plan(self, db: Session, entries: dict[str, str]) -> policy.Plan:
         """The pool's plan, as this worker sees it: polling for work, it is live and free whatever its row says;
         a queued job without a queue entry (being claimed, or lost with Redis until the sweeper enqueues it
         again) is not planned, so it holds no worker."""
         snap = scheduling.snapshot(db, self.settings, cache=self.reqs)
-        room = None
+        room, devices_now = None, {}
         if self.shared:  # a shared worker's room: its free slots, as its holds say now
             mine = holds.held(db, worker_id=self.offer.id)
-            room = scheduling.room_of(self.offer.slots, self.offer.max_jobs,
-                                      holds.Load(len(mine), len(set(mine.values()))),
-                                      workers.device_rows(db, worker_id=self.offer.id))
+            rows = workers.device_rows(db, worker_id=self.offer.id)
+            room = scheduling.room_of(self.offer.slots, self.offer.max_jobs, holds.load_of(mine), rows)
+            if rows:  # its devices as the scheduler's snapshot of its row sees them (and as `hold` takes them)
+                devices_now = scheduling.devices_of(self.offer.id, self.offer.device, rows, mine)
         me = policy.Node(id=self.offer.id, device=self.offer.device, slots=self.offer.slots,
-                         memory_bytes=self.offer.memory_bytes, labels=dict(self.offer.labels or {}), room=room)
+                         memory_bytes=self.offer.memory_bytes, labels=dict(self.offer.labels or {}), room=room,
+                         **devices_now)
         snap = dataclasses.replace(snap, nodes=[*(n for n in snap.nodes if n.id != me.id), me],
                                    waiting=[w for w in snap.waiting if w.id in entries])
-        return policy.plan(snap)
+        plan = policy.plan(snap)
+        self.kept = plan.kept.get(me.id, {})
+        here = [r for r in plan.reservations if me.id in r.devices]
+        self.let = {w.id: set().union(*(r.devices[me.id] for r in here if r.job_id != w.id and r.lets(w, snap.now)))
+                    for w in snap.waiting}
+        return plan
 
     def choose(self, db: Session, entries: dict[str, str]) -> tuple[list[str], list[str]]:
         """Of the priority queues' entries (id -> queue): the stale ones (no queued job of that id), and those
@@ -188,6 +213,7 @@ class FittingQueue(Queue):
             for i in connection.lrange(queue.key, 0, SCAN_JOBS - 1):
                 entries.setdefault(i.decode() if isinstance(i, bytes) else i, queue)
         if not entries:
+            cls.chooser.kept, cls.chooser.let = {}, {}  # nothing planned: no device is held for a queued job
             return None  # nothing queued: no database round trip
         with cls.chooser.taking():
             try:

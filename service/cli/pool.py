@@ -29,6 +29,7 @@ def show_queue(q: dict) -> Table:
     for r in q["reservations"]:
         console.print(f"reservation: {r['held']} of {r['workers']} workers held"
                       + (f" for job {r['job_id']}" if r["job_id"] else " for another user's job")
+                      + "".join(f", devices {','.join(map(str, d))} on {w}" for w, d in r.get("devices", {}).items())
                       + f", filled by {r['fill_by'][:19].replace('T', ' ')}"
                       + f" (a higher-priority job may use one if it ends by {r['deadline'][:19].replace('T', ' ')})")
     table = Table("#", "id", "name", "owner", "priority", "estimated start", "why it waits")

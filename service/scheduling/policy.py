@@ -17,11 +17,12 @@ function on a simulated month. The rules, in order:
 4. **Reservations**: the oldest job that needs more than one worker (a gang) and has waited
    `reserve_after_s` reserves the fitting workers whose slots free up first (up to `max_reservations` gangs,
    the oldest first, each among the workers no older one reserved; reservations.py). A worker of one job at a
-   time is held whole; a shared worker (issue 30) holds only the gang's slots, and its other slots stay open to
-   any job. Held slots finish what they run, then take only a job whose timeout ends before the reservation is
-   expected to be filled (backfill), or a job of higher priority than the gang whose timeout ends before the
-   gang's deadline (queued + reserve_after_s + reserve_deadline_s). So priority still comes first while a gang
-   is young, yet no later job pushes a gang past its deadline: it starts by then, unless the jobs already
+   time is held whole; a shared worker (issue 30) holds only the gang's slots, named where its devices are known
+   (the best-linked set: Plan.kept, which the worker's dispatcher keeps other jobs off), and its other slots
+   stay open to any job. Held slots finish what they run, then take only a job whose timeout ends before the
+   reservation is expected to be filled (backfill), or a job of higher priority than the gang whose timeout ends
+   before the gang's deadline (queued + reserve_after_s + reserve_deadline_s). So priority still comes first
+   while a gang is young, yet no later job pushes a gang past its deadline: it starts by then, unless the jobs already
    running on its workers when it reserved them run longer (their own timeouts bound that). A gang that is
    forming (its node 0 claimed) holds the free slots it still needs the same way.
 5. **Preemption**: a job of spec priority `high` that has waited `preempt_after_s` and that no free worker fits
@@ -32,8 +33,11 @@ function on a simulated month. The rules, in order:
 
 Assignments are best-fit (the fitting worker left with the fewest free slots, then pool.nvlink_preference, then
 the smallest, then by id), so a small job does not take the big worker or the NVLink machine a big job needs. A
-worker is only offered the jobs assigned to it: every worker that polls computes the same plan from the same
-rows, and the claim's compare-and-set decides races.
+one-node job that fills an NVLink island (8 GPUs where the largest island is 8) takes only workers with one
+while a live one fits it, and waits for them (pool.island_floor, TRAINJOBS_NVLINK_WHOLE_JOBS): its preemptions
+and estimate too, as they see the workers that fit through the same `fitting`. A worker is only offered the
+jobs assigned to it: every worker that polls computes the same plan from the same rows, and the claim's
+compare-and-set decides races.
 """
 
 from collections import defaultdict
@@ -56,9 +60,11 @@ from service.scheduling.pool import (
     Waiting,
     device_noun,
     nvlink_preference,
+    whole_island,
 )
 from service.scheduling.preemption import preempt
-from service.scheduling.reservations import reserve
+from service.scheduling.reservations import held_count, held_devices, reserve, shown
+from service.scheduling.waiting import estimate, free_by_eta, wait_reason
 from service.workers import fit
 
 # The policy's whole vocabulary, so that its callers need one import (the types live in pool.py).
@@ -85,24 +91,39 @@ class _Fitting:
     """The live workers that fit a need, in the snapshot's order: computed once per distinct need in a plan.
 
     Hundreds of waiting jobs share a handful of needs; calling fit.misfit for every job × worker in each of
-    plan's passes was most of its time (bench/scheduler_sim.py)."""
+    plan's passes was most of its time (bench/scheduler_sim.py).
 
-    def __init__(self, nodes: Sequence[Node]) -> None:
+    A one-node job that fills an NVLink island gets only the workers with one while a live one fits it
+    (pool.whole_island, Settings.nvlink_whole_jobs): so its place, its preemptions (preemption.py) and its
+    estimate all wait for NVLink alike, and so would a reservation (reservations.py: gangs, which it spares)."""
+
+    def __init__(self, nodes: Sequence[Node], whole_islands: bool = True) -> None:
         self.nodes = nodes
+        self.whole_islands = whole_islands
         self.cache: dict[tuple, list[Node]] = {}
         self.cache_by_id: dict[tuple, list[Node]] = {}
+        self.left_out: dict[tuple, int] = {}  # need -> workers that fit it but lack the island it waits for
 
     @staticmethod
     def key(need: fit.Need) -> tuple:
         return (need.device, need.slots, need.memory_bytes, need.memory_device, tuple(sorted(need.labels.items())),
-                need.pip)
+                need.pip, need.entrypoint, need.nodes)
 
     def __call__(self, need: fit.Need) -> list[Node]:
         key = self.key(need)
         found = self.cache.get(key)
         if found is None:
-            found = self.cache[key] = [n for n in self.nodes if fit.misfit(need, n) is None]
+            found = [n for n in self.nodes if fit.misfit(need, n) is None]
+            if self.whole_islands and (narrowed := whole_island(need, found)) is not None:
+                self.left_out[key] = len(found) - len(narrowed)
+                found = narrowed
+            self.cache[key] = found
         return found
+
+    def island_wait(self, need: fit.Need) -> bool:
+        """Whether the job waits for an NVLink island that some worker fitting it otherwise lacks."""
+        self(need)
+        return self.left_out.get(self.key(need), 0) > 0
 
     def by_id(self, need: fit.Need) -> list[Node]:
         key = self.key(need)
@@ -206,8 +227,9 @@ class _Room:
 def plan(snap: Snapshot) -> Plan:
     now, cfg = snap.now, snap.settings
     ordered = order(snap)
-    fitting = _Fitting(list(snap.nodes))
+    fitting = _Fitting(list(snap.nodes), cfg.nvlink_whole_jobs)
     room = _Room(snap.nodes)
+    kept: dict[str, dict[str, tuple[int, ...]]] = defaultdict(dict)  # worker -> job -> devices held for it
 
     # Slots held now, per user and per team, for quotas.
     held_user: dict[str, int] = defaultdict(int)
@@ -223,18 +245,22 @@ def plan(snap: Snapshot) -> Plan:
             for w in sorted((n for n in fitting(r.need) if n.id not in r.workers and room.open[n.id] >= r.need.slots),
                             key=lambda n: (n.slots, n.id))[:want]:
                 room.hold(w.id, r.need.slots, f"joining the forming gang of job {r.id}")
+                if (devices := held_devices(w, r.need.slots, r.need.slots, (), now, now, kept[w.id])) is not None:
+                    kept[w.id][r.id] = devices
 
     places: dict[str, Place] = {}
     # NOTE: a gang over its quota could not start on the workers it held, and once all are free the fill time is
     # now, so nothing could backfill them: they would idle until the quota frees. It reserves nothing.
     gangs = [j for j in ordered if j.need.nodes > 1 and now - j.queued >= cfg.reserve_after_s
              and (j.not_before is None or j.not_before <= now) and _quota_block(j, snap, held_user, held_team) is None]
-    reservations = reserve(gangs, snap, fitting, dict(room.open))
+    reservations = reserve(gangs, snap, fitting, dict(room.open), kept)
     reserved: dict[str, Reservation] = {}  # worker -> the reservation that holds it (idle or busy)
     mine: dict[str, Reservation] = {r.job_id: r for r in reservations}
     by_id = {j.id: j for j in ordered}
     for reservation in reservations:
         job = by_id[reservation.job_id]
+        for w, devices in reservation.devices.items():
+            kept[w][job.id] = devices
         if reservation.held == len(reservation.workers):
             # Filled: it starts now on its reserved workers (node 0 on any of them; the rest join the gang).
             for w in reservation.workers:
@@ -246,8 +272,8 @@ def plan(snap: Snapshot) -> Plan:
             reserved[w] = reservation
             node = room.nodes[w]
             why = f"reserved for job {job.id} (needs {job.need.nodes} nodes)" + (
-                f" holding {job.need.slots} {device_noun(job.need, node)} on {w}" if node.room is not None else "")
-            room.hold(w, job.need.slots, why, reservation=True)
+                f" holding {shown(reservation, w, device_noun(job.need, node))}" if node.room is not None else "")
+            room.hold(w, held_count(reservation, node), why, reservation=True)
 
     # Assign in order, best fit; count the jobs still waiting ahead of each one, for its reason.
     # Per set of workers that fit (jobs that compete for the same workers): the waiting ahead, by priority and by
@@ -291,13 +317,14 @@ def plan(snap: Snapshot) -> Plan:
                 place.estimated_start = now
                 _hold(job, snap, held_user, held_team)
             else:  # it waits for workers that fit: jobs behind it that need them wait behind it
-                place.reason = _wait_reason(job, fits, room, mine.get(job.id), ahead, cfg.policy)
+                place.reason = wait_reason(job, fits, room, mine.get(job.id), ahead, cfg.policy,
+                                           fitting.island_wait(job.need))
                 waiting_by_fit[fit_ids]["at", job.priority] += 1
                 waiting_by_fit[fit_ids]["own", job.owner, job.priority] += 1
     for i, job in enumerate(ordered):
         places[job.id].position = i + 1
     order_out = [places[j.id] for j in ordered]
-    _estimate(order_out, ordered, fitting, _free_by_eta(snap), now)
+    estimate(order_out, ordered, fitting, free_by_eta(snap), now)
 
     preemptions, notes = preempt(ordered, places, snap, fitting, reserved)
     for job_id, note in notes.items():  # what it waits on, in device terms
@@ -308,24 +335,7 @@ def plan(snap: Snapshot) -> Plan:
         team_use[team_of(owner, snap.accounts)] += used
     team_shares = {t: u / max(snap.teams.get(t, Team()).weight, 1e-9) for t, u in team_use.items()
                    if not t.startswith("user:")}
-    return Plan(order_out, preemptions, reservations, shares, team_shares)
-
-
-def _free_by_eta(snap: Snapshot) -> dict[str, float]:
-    """When each live worker is expected free, for the estimates shown to users: now if idle; else by its job's
-    progress, at most by its timeout (a bound the supervisor enforces)."""
-    running = {r.id: r for r in snap.running}
-    out: dict[str, float] = {}
-    for n in snap.nodes:
-        job = running.get(n.running) if n.running else None
-        if n.running is None or n.free_slots == n.slots:
-            out[n.id] = snap.now
-        elif job is None:  # busy with something the snapshot does not show (a job just claimed)
-            out[n.id] = snap.now + CHARGE_CAP_S
-        else:
-            bound = max(snap.now, job.started + job.timeout_s)
-            out[n.id] = min(bound, snap.now + job.eta_s) if job.eta_s is not None else bound
-    return out
+    return Plan(order_out, preemptions, reservations, shares, team_shares, dict(kept))
 
 
 def _hold(job: Waiting, snap: Snapshot, held_user: dict, held_team: dict) -> None:
@@ -343,59 +353,3 @@ def _quota_block(job: Waiting, snap: Snapshot, held_user: dict, held_team: dict)
     if account.max_slots is not None and held_user[job.owner] + want > account.max_slots:
         return f"over user quota {job.owner}: {held_user[job.owner]}/{account.max_slots} slots in use, needs {want}"
     return None
-
-
-def _wait_reason(job: Waiting, fits: list[Node], room: _Room, reservation: Reservation | None,
-                 ahead: tuple[int, int, int], policy: str) -> str:
-    higher, share, own = ahead
-    need = job.need
-    partial = [w for w in fits if 0 < room.open[w.id] < need.slots]
-    if reservation is not None:
-        noun = device_noun(need, room.nodes[reservation.workers[0]])
-        why = (f"needs {need.nodes} nodes: reserved, {reservation.held} of {len(reservation.workers)} held "
-               f"({need.slots} {noun} on each of {', '.join(reservation.workers)})")
-    elif partial and need.nodes == 1:
-        # A shared worker has room, but not enough on one node: say so in device terms.
-        largest = max(partial, key=lambda w: (room.open[w.id], w.id))
-        why = (f"needs {need.slots} {device_noun(need, largest)} on one node; the largest free set is "
-               f"{room.open[largest.id]}, on {largest.id}")
-    else:
-        busy = sum(1 for w in fits if room.open[w.id] <= 0 and w.id not in room.why)
-        held = [room.why[w.id] for w in fits if w.id in room.why]
-        why = f"waiting for a free worker: {len(fits)} fit, {busy} busy"
-        if held:
-            why += f", {len(held)} {held[0]}" + (" (backfill needs a timeout that ends before it fills)"
-                                                 if "reserved" in held[0] else "")
-        if need.nodes > 1:
-            why = f"needs {need.nodes} nodes; " + why
-    behind = []
-    if higher:
-        behind.append(f"{higher} higher-priority job(s)")
-    if share:
-        behind.append(f"{share} job(s) of users with less usage" if policy == "fair" else f"{share} earlier job(s)")
-    if own:
-        behind.append(f"{own} earlier job(s) of yours")
-    return why + ("; behind " + ", ".join(behind) if behind else "")
-
-
-def _estimate(order_out: list[Place], ordered: list[Waiting], fitting: _Fitting, free_at: dict[str, float],
-              now: float) -> None:
-    """An estimated start for each waiting job: in order, each takes the fitting workers free soonest and holds
-    them for its timeout (the bound it may run): so an estimate errs late, never early for a job ahead."""
-    timeline = dict(free_at)
-    for place, job in zip(order_out, ordered, strict=True):
-        if place.workers:
-            for w in place.workers:
-                timeline[w] = now + job.timeout_s
-            continue
-        if place.reason and (place.reason.startswith(("no live worker", "needs", "over ")) and
-                             "fit," not in place.reason and "reserved" not in place.reason):
-            continue
-        fits = sorted(fitting(job.need), key=lambda n: timeline[n.id])
-        if len(fits) < job.need.nodes:
-            continue
-        chosen = fits[:job.need.nodes]
-        start = max(timeline[n.id] for n in chosen)
-        place.estimated_start = start
-        for n in chosen:
-            timeline[n.id] = start + job.timeout_s

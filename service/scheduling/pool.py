@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from service.scheduling.placement import Machine
 from service.workers import fit
 
 PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
@@ -64,6 +65,10 @@ class Node:
     # Slots free for another job: a shared worker (issue 30) takes jobs while it has room. None: a worker of one
     # job at a time, all its slots free while it runs nothing, none while it runs something.
     room: int | None = None
+    # A shared worker's devices, from its row and the holds table: what a reservation names its devices by.
+    machine: Machine | None = None  # its devices and their links (placement.py)
+    free_devices: frozenset[int] | None = None  # healthy and held by no job
+    held: Mapping[str, frozenset[int]] = field(default_factory=dict)  # job -> the devices it holds here
 
     @property
     def free_slots(self) -> int:
@@ -90,6 +95,33 @@ def nvlink_preference(need: int, island: int) -> tuple[bool, bool, int]:
     """
     breaks = need < island
     return breaks, not (need >= 2 and island >= need), island if breaks else -island
+
+
+def island_floor(need: int, nodes: int, islands: Sequence[int]) -> int:
+    """The NVLink island a worker must have to take a job of `need` GPUs on `nodes` nodes (0: any), given the
+    largest islands of the live workers that otherwise fit it (Settings.nvlink_whole_jobs; bench/device_sim.py).
+
+    A one-node job that fills the largest island among them (2+ GPUs, as many as that island holds: 8 on a fleet
+    of DGX and PCIe machines) waits for a worker whose island holds it whole rather than run across PCIe; where
+    no live worker that fits has one (a PCIe-only fleet, or a selector that rules them out) it runs where it fits.
+    Never held to it, as bench/README.md measures:
+    - a job smaller than the largest island: nvlink_preference sends it off NVLink on purpose, so the islands
+      stay whole for the jobs that fill them;
+    - a gang (nodes > 1): its nodes talk over the network anyway, and with gangs held to NVLink too, the large
+      jobs' work (~70% of the GPU-hours in the simulated trace) had only the NVLink half of a mixed fleet: the
+      longest large-job wait went from 1.3 d to 20.5 d at load 0.8. It still prefers NVLink (nvlink_preference).
+    """
+    if nodes > 1 or need < 2 or max(islands, default=0) != need:
+        return 0
+    return need
+
+
+def whole_island(need: fit.Need, fits: Sequence[Node]) -> list[Node] | None:
+    """The workers of `fits` a CUDA job may take under island_floor; None where the rule does not bind."""
+    if need.device != "cuda":
+        return None
+    floor = island_floor(need.slots, need.nodes, [n.nvlink_island for n in fits])
+    return [n for n in fits if n.nvlink_island >= floor] if floor else None
 
 
 def device_noun(need: fit.Need, node: Node) -> str:
@@ -120,6 +152,7 @@ class Settings:
     reserve_after_s: float = 300.0
     reserve_deadline_s: float = 48 * 3600.0
     max_reservations: int = 1
+    nvlink_whole_jobs: bool = True  # a job that fills an NVLink island waits for one (island_floor)
 
 
 @dataclass(frozen=True)
@@ -162,6 +195,9 @@ class Reservation:
     deadline: float  # a job of higher priority than the gang may take a reserved worker if it ends before
     rank: int  # the gang's priority rank now
     slots: int = 1  # what the gang needs on each: all a shared worker holds for it (its other slots stay open)
+    # Shared worker -> the devices it holds for the gang (reservations.py): no other job may take them, unless
+    # `lets` it; the gang gets exactly them once free. A worker whose devices the snapshot does not know: absent.
+    devices: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def lets(self, job: "Waiting", now: float) -> bool:
         """Whether `job` (another one) may take one of these workers while they are reserved."""
@@ -176,6 +212,9 @@ class Plan:
     reservations: list[Reservation]  # the oldest gang's first
     shares: dict[str, float]  # owner -> usage ÷ weight (the user's; teams' in team_shares)
     team_shares: dict[str, float]
+    # Worker -> job -> the devices held for it there (a reservation's, a forming gang's): what the worker's
+    # dispatcher keeps other jobs off (worker/dispatch.py).
+    kept: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
 
     def for_worker(self, worker_id: str) -> list[str]:
         """The jobs this worker may take, in order."""

@@ -7,7 +7,8 @@ share first, then lowest priority, then latest started (the least work since its
 the node's slots are free, and one the others free enough without is dropped again. Among machines the one that
 frees the fewest devices beyond the need wins (a 1-GPU job stops a 1-GPU job, not an 8-GPU one), then the fewest
 victims, then the most of its nodes freed at once (one gang rather than two singles), then the victims first in
-that order. A node is one machine, so a one-node job never has victims on two.
+that order. A node is one machine, so a one-node job never has victims on two. The machines a job may take are
+those `fitting` gives: for one that fills an NVLink island, only those with one (pool.island_floor).
 
 What is free now, and what victims already asked to stop give back, is promised in the plan's order to one
 waiting job and not counted again for the next. A shared worker reserved for another gang keeps the gang's slots

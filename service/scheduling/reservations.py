@@ -5,20 +5,28 @@ first) each reserve the fitting workers expected to have the gang's slots free f
 on them, among those no older gang reserved. policy.plan then holds them: a worker of one job at a time whole, a
 shared worker (issue 30) only the gang's slots, counted as held once that many are free; its other slots stay
 open to any job, and the held ones to the jobs the reservation lets take them (backfill).
+
+On a shared worker whose devices the snapshot knows (Node.machine, free_devices, held), the reservation names
+the devices it holds (Reservation.devices): the best-linked set (placement.choose, as the worker itself picks)
+among those free now and those the jobs on it that end first will free, so the gang gets an NVLink island or
+one socket rather than whatever backfill leaves; the worker's dispatcher keeps other jobs off them.
 """
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
+from service.scheduling import placement
 from service.scheduling.pool import CHARGE_CAP_S, PRIORITY_RANK, Node, Reservation, Running, Snapshot, Waiting
 from service.workers import fit
 
 
 def reserve(gangs: Sequence[Waiting], snap: Snapshot, fitting: Callable[[fit.Need], list[Node]],
-            open_slots: Mapping[str, int]) -> list[Reservation]:
+            open_slots: Mapping[str, int], kept: Mapping[str, Mapping[str, tuple[int, ...]]] = {}) \
+        -> list[Reservation]:
     """The reservations of `gangs` (those that may reserve: waited long enough, not over a quota), oldest first.
 
-    `open_slots`: each live worker's free slots that no forming gang holds."""
+    `open_slots`: each live worker's free slots that no forming gang holds; `kept`: the devices forming gangs
+    hold (worker -> job -> devices)."""
     cfg, now = snap.settings, snap.now
     on: dict[str, list[Running]] = defaultdict(list)
     for r in snap.running:
@@ -38,7 +46,10 @@ def reserve(gangs: Sequence[Waiting], snap: Snapshot, fitting: Callable[[fit.Nee
         fits.sort(key=lambda n: (when[n.id], n.slots, n.id))
         chosen = fits[:job.need.nodes]
         taken.update(n.id for n in chosen)
-        out.append(Reservation(job.id, [n.id for n in chosen],
+        devices = {n.id: d for n in chosen
+                   if (d := held_devices(n, slots, open_slots[n.id], on[n.id], when[n.id], now,
+                                         kept.get(n.id, {}))) is not None}
+        out.append(Reservation(job.id, [n.id for n in chosen], devices=devices,
                                held=sum(1 for n in chosen if open_slots[n.id] >= slots),
                                fill_at=max(when[n.id] for n in chosen),
                                deadline=job.queued + cfg.reserve_after_s + cfg.reserve_deadline_s,
@@ -61,3 +72,35 @@ def free_at(node: Node, slots: int, open_now: int, jobs: Sequence[Running], now:
             return end
     # Held by something the snapshot does not show (a job being claimed): expected to run a while.
     return now + CHARGE_CAP_S
+
+
+def held_devices(node: Node, slots: int, open_now: int, jobs: Sequence[Running], when: float, now: float,
+                 kept: Mapping[str, tuple[int, ...]] = {}) -> tuple[int, ...] | None:
+    """The devices a shared worker holds for a gang of `slots` a node: the best-linked set among those free now
+    (less those `kept` for other gangs) and, while too few are, those of the jobs on it that end by `when`
+    (free_at's answer); None where the snapshot does not know its devices."""
+    if node.room is None or node.machine is None or node.free_devices is None:
+        return None
+    pool = set(node.free_devices).difference(*kept.values())
+    if open_now < slots:
+        for r in jobs:
+            if max(now, r.started + r.timeout_s) <= when:
+                pool |= node.held.get(r.id, frozenset())
+    return placement.choose(node.machine, pool, slots)
+
+
+def held_count(reservation: Reservation, node: Node) -> int:
+    """How many of the worker's free slots the reservation holds now: its named devices that are free, else (a
+    worker whose devices are not known) the gang's slots, as many as are free."""
+    devices = reservation.devices.get(node.id)
+    if devices is None or node.free_devices is None:
+        return reservation.slots
+    return len(node.free_devices.intersection(devices))
+
+
+def shown(reservation: Reservation, worker: str, noun: str) -> str:
+    """What a reason says the reservation holds on `worker`: "GPUs 4-7 on w2", or "4 GPUs on w2"."""
+    devices = reservation.devices.get(worker)
+    if devices is None:
+        return f"{reservation.slots} {noun} on {worker}"
+    return f"{noun if len(devices) > 1 else noun[:-1]} {placement.cpulist(devices)} on {worker}"

@@ -52,6 +52,9 @@ class Reserved(BaseModel):
     fill_by: datetime = Field(description="when the last of them is expected free, by their jobs' timeouts")
     deadline: datetime = Field(description="a job of higher priority takes one of these workers only if it ends "
                                            "before this")
+    devices: dict[str, list[int]] = Field(default_factory=dict, description="on each shared worker whose devices "
+                                          "are known: the device indices held for the gang, which it gets once "
+                                          "they are free (worker -> indices)")
 
 
 class QueuePublic(BaseModel):
@@ -87,7 +90,8 @@ def read_queue(db: SessionDep, settings: SettingsDep, principal: PrincipalDep) -
     owners = {j.id: j.owner for j in snap.waiting}
     reservations = [Reserved(job_id=r.job_id if admin or owners.get(r.job_id) == principal.user else None,
                              workers=len(r.workers), held=r.held, fill_by=_when(r.fill_at),
-                             deadline=_when(r.deadline)) for r in plan.reservations]
+                             deadline=_when(r.deadline), devices={w: list(d) for w, d in r.devices.items()})
+                    for r in plan.reservations]
     return QueuePublic(
         policy=settings.scheduler_policy, waiting=len(plan.order),
         jobs=[QueuedJob(position=p.position, id=p.job_id, name=names.get(p.job_id, ""), owner=p.owner,

@@ -7,9 +7,10 @@ so far and those closed since the last fold, added when a snapshot is read.
 """
 
 import logging
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session
 from service.auth.models import User
 from service.db import utcnow
 from service.jobs.models import Attempt, Job
-from service.scheduling import policy
+from service.scheduling import placement, policy
 from service.scheduling.models import Team, Usage
 from service.settings import Settings
 from service.workers import fit, holds
@@ -53,7 +54,8 @@ def policy_settings(settings: Settings) -> policy.Settings:
     return policy.Settings(policy=settings.scheduler_policy, preempt_after_s=settings.preempt_after_s,
                            min_runtime_s=settings.min_runtime_s, reserve_after_s=settings.reserve_after_s,
                            reserve_deadline_s=settings.reserve_deadline_s,
-                           max_reservations=settings.max_reservations)
+                           max_reservations=settings.max_reservations,
+                           nvlink_whole_jobs=settings.nvlink_whole_jobs)
 
 
 def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req] | None = None) -> policy.Snapshot:
@@ -107,7 +109,8 @@ def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req]
                               queued=(_seconds(r.queued_at) or r.created_at.timestamp()), need=cache[r.id].need,
                               timeout_s=cache[r.id].timeout_s, not_before=_seconds(r.not_before))
                for r in queued]
-    held = holds.loads(db) if any(w.max_jobs > 1 for w in live) else {}
+    devices_held = holds.all_held(db) if any(w.max_jobs > 1 for w in live) else {}
+    held = {w: holds.load_of(devices) for w, devices in devices_held.items()}
     # A queued job that holds devices is being claimed: its worker counts it, so the plan must not place it again
     # (a queue read just before its entry was taken still lists it).
     claiming = {j for load in held.values() for j in load.job_ids}
@@ -115,7 +118,9 @@ def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req]
         waiting = [w for w in waiting if w.id not in claiming]
     nodes = [policy.Node(id=w.id, device=w.device, slots=w.slots, memory_bytes=w.memory_bytes,
                          labels=dict(w.labels or {}), running=w.current_job,
-                         room=room_of(w.slots, w.max_jobs, held.get(w.id), w.devices)) for w in live]
+                         room=room_of(w.slots, w.max_jobs, held.get(w.id), w.devices),
+                         **(devices_of(w.id, w.device, w.devices, devices_held.get(w.id, {}))
+                            if w.max_jobs > 1 else {})) for w in live]
     owners = {j.owner for j in waiting} | {r.owner for r in running}
     usage = usage_now(db, now=now, half_life_s=settings.fair_share_half_life_s)
     for owner, extra in in_flight.items():
@@ -138,6 +143,62 @@ def room_of(slots: int, max_jobs: int, load: holds.Load | None, devices: list[di
     # the room errs small then, never onto a bad device.
     unhealthy = sum(1 for d in devices or [] if not d.get("healthy", True))
     return max(0, slots - load.slots - unhealthy)
+
+
+def machine_of(worker_id: str, kind: str, rows: list[dict] | None) -> placement.Machine | None:
+    """A worker's devices and their links as placement sees them, from its row (worker/devices.py as_rows); None
+    without rows. A GPU row names its links; CPU slots link as placement.cpu_machine links them (one NUMA node
+    near, across nodes far), which their NUMA nodes tell."""
+    if not rows:
+        return None
+    devices = tuple(placement.Device(d["index"], d.get("uuid") or str(d["index"]), d.get("memory_bytes"),
+                                     d.get("healthy", True), d.get("numa_node"), d.get("reason"),
+                                     tuple(d.get("cores") or ())) for d in rows)
+    if kind != "cuda":
+        return placement.Machine(worker_id, kind, devices, _NumaLinks(devices))
+    links = {(d["index"], int(other)): _link(link) for d in rows for other, link in (d.get("links") or {}).items()}
+    return placement.Machine(worker_id, kind, devices, links)
+
+
+_link = lru_cache(maxsize=64)(placement.Link.parse)  # a pool's rows repeat a handful of words
+
+
+class _NumaLinks(Mapping):
+    """CPU slots' links as placement.cpu_machine makes them (near on one NUMA node, or everywhere when no node is
+    known; far across nodes), computed when asked: a snapshot reads every shared worker, and a 64-slot one
+    has 4,032 pairs, of which a plan asks for a few."""
+
+    NEAR = placement.Link(placement.Level.NODE)
+
+    def __init__(self, devices: tuple[placement.Device, ...]):
+        self.numa = {d.index: d.numa_node for d in devices}
+        self.known = any(n is not None for n in self.numa.values())
+
+    def __getitem__(self, pair: tuple[int, int]) -> placement.Link:
+        a, b = pair
+        if a == b or a not in self.numa or b not in self.numa:
+            raise KeyError(pair)
+        same = self.numa[a] is not None and self.numa[a] == self.numa[b]
+        return self.NEAR if not self.known or same else placement.UNKNOWN
+
+    def __iter__(self):
+        return ((a, b) for a in self.numa for b in self.numa if a != b)
+
+    def __len__(self) -> int:
+        return len(self.numa) * (len(self.numa) - 1)
+
+
+def devices_of(worker_id: str, kind: str, rows: list[dict] | None, held: dict[int, tuple[str, int]]) -> dict:
+    """A shared worker's Node fields for device-level reservations: its machine, its free devices (healthy, held
+    by no job) and each job's held devices; {} where its row lists no devices (a worker of an earlier version)."""
+    machine = machine_of(worker_id, kind, rows)
+    if machine is None:
+        return {}
+    by_job: dict[str, set[int]] = {}
+    for device, (job, _) in held.items():
+        by_job.setdefault(job, set()).add(device)
+    free = frozenset(d.index for d in machine.devices if d.healthy and d.index not in held)
+    return {"machine": machine, "free_devices": free, "held": {j: frozenset(ds) for j, ds in by_job.items()}}
 
 
 def queued_among(db: Session, job_ids: list[str]) -> set[str]:

@@ -68,15 +68,13 @@ def all_held(db: Session) -> dict[str, dict[int, tuple[str, int]]]:
 
 
 def loads(db: Session) -> dict[str, Load]:
-    """Every worker's live holds, summed (the scheduler's snapshot: one query for the pool)."""
-    now = utcnow()
-    slots: dict[str, int] = defaultdict(int)
-    jobs: dict[str, set] = defaultdict(set)
-    for h, status in _rows(db, None):
-        if _live(h, status, now):
-            slots[h.worker_id] += 1
-            jobs[h.worker_id].add((h.job_id, h.node_rank))
-    return {w: Load(slots[w], len(jobs[w]), frozenset(j for j, _ in jobs[w])) for w in slots}
+    """Every worker's live holds, summed (one query for the pool)."""
+    return {w: load_of(devices) for w, devices in all_held(db).items()}
+
+
+def load_of(devices: dict[int, tuple[str, int]]) -> Load:
+    """One worker's live holds (device -> (job, node rank), as all_held gives them), summed."""
+    return Load(len(devices), len(set(devices.values())), frozenset(j for j, _ in devices.values()))
 
 
 def by_job(db: Session, job_ids: list[str]) -> dict[str, list[Hold]]:
