@@ -262,8 +262,10 @@ def test_a_database_outage_mid_run_keeps_every_point_the_run_wrote(services, out
             assert len(first) >= 40 and first[-1] < LONG_STEPS  # the ranks were stopped mid-run
             assert_all_steps(steps, {1: first, 2: list(range(1, LONG_STEPS + 1))})  # what each wrote, all of it
         assert "training done" in log_text(api, job_id)
+    # After the database is back the run still trains (what the outage did not cover: up to its run time on a busy
+    # machine; CI saw 16.7 s for a 5 s outage under load), and a retry trains again: each gets its run time.
     run_s = LONG_STEPS * STEP_S
-    assert settled_s < (15 if outage_s < LEASE_S else 15 + run_s)  # a retry trains again: give it its run time
+    assert settled_s < 15 + (run_s if outage_s < LEASE_S else 2 * run_s)
 
 
 def test_redis_restarted_empty_with_one_job_running_and_one_queued_runs_each_once(services):
