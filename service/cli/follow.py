@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from datetime import timedelta
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -114,7 +115,9 @@ def follow_events(client: Client, job_id: str, console: Console | None, *, outpu
     plain, said = not console.is_terminal, None
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(job["name"], **view.fields())
-        for event in [None, *client.follow_events(job_id, metrics="new")]:
+        # NOTE: event by event, as they come (rich flushes each print, to a pipe too): a list of the stream, as once,
+        # waited for the job's end.
+        for event in chain([None], client.follow_events(job_id, metrics="new")):
             if event is not None:
                 view.apply(event)
             if output and event is not None and (
