@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainjobs import paths
+
 
 class Settings(BaseSettings):
     """Everything a process of trainjobs can be told from outside."""
@@ -60,6 +62,11 @@ class Settings(BaseSettings):
                                  "fails")
     env_cache_bytes: int = Field(20 * 2**30, ge=0, description="a worker's built environments, least recently "
                                  "used (and unused) evicted past it")
+    allow_direct_urls: bool = Field(False, description="requirements may be direct references (name @ https://...):"
+                                    " else a 422; even then fetched through the build's proxy, never from a private "
+                                    "address")
+    pip_index_hosts: str = Field("", description="hosts (host or host:port, comma-separated) a build may reach "
+                                 "besides its pip configuration's index and find-links hosts")
 
     # The sandbox around every attempt (worker/sandbox.py): auto = one where this machine can make it (bubblewrap);
     # required = refuse to start without one (and without a Redis password); off = none (the worker's labels say so).
@@ -69,9 +76,14 @@ class Settings(BaseSettings):
     sandbox_uid_count: int = Field(65_536, ge=1, description="how many uids from sandbox_uid_base jobs are given")
     job_network: bool = Field(False, description="single-node jobs may reach the network (else: loopback only; a "
                               "multi-node gang always shares the host's network)")
+    multinode_for_all: bool = Field(False, description="every user may run a multi-node gang (nnodes > 1), whose "
+                                    "ranks share their hosts' network; else only admins and users an admin granted "
+                                    "it (trainjobs user set NAME --multinode)")
     job_env: str = Field("", description="the worker's own variables (names, or prefixes ending in *, comma-"
                          "separated) passed to jobs besides the basics; e.g. NCCL_*,HF_HOME")
-    job_pids_max: int = Field(16_384, ge=16, description="processes and threads of one attempt (cgroup pids)")
+    job_pids_max: int | None = Field(None, ge=16, description="processes and threads of one attempt (cgroup pids); "
+                                     "default: a share of the host's kernel.pid_max and of the worker's cgroup's "
+                                     "pids.max (docs/concepts/limits.md)")
     job_memory_bytes: int | None = Field(None, ge=2**24, description="memory of one attempt (cgroup); default: "
                                          "what the worker offers")
 
@@ -180,6 +192,17 @@ class Settings(BaseSettings):
     @property
     def runs_dir(self) -> Path:
         return self.data_dir / "runs"
+
+    @property
+    def service_paths(self) -> set[Path]:
+        """The service's own files and folders, which no job is shown and no data.path names: the data dir's
+        service entries, the SQLite file, the storage, runs and secrets dirs (resolved)."""
+        data = self.data_dir.resolve()
+        found = {data / name for name in paths.SERVICE_OWNED} | {self.resolved_storage_dir, self.runs_dir.resolve(),
+                                                                 self.resolved_secrets_dir}
+        if self.resolved_database_url.startswith("sqlite:///"):
+            found.add(Path(self.resolved_database_url.removeprefix("sqlite:///")).resolve())
+        return found
 
     @property
     def resolved_secrets_dir(self) -> Path:

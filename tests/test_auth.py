@@ -100,7 +100,8 @@ def test_admins_make_tokens_users_see_and_revoke_only_their_own(client, settings
     assert client.delete(f"/v1/tokens/{erin['id']}", headers=dave).status_code == 404  # not dave's: no leak
     assert client.get("/v1/me", headers={"Authorization": f"Bearer {erin['token']}"}).json()["user"] == "erin"
     me = client.get("/v1/me", headers=dave).json()
-    assert me == {"user": "dave", "role": "user", "token_id": me["token_id"], "can_run_entrypoints": False}
+    assert me == {"user": "dave", "role": "user", "token_id": me["token_id"], "can_run_entrypoints": False,
+                  "multinode": False}
     used = [t for t in client.get("/v1/tokens").json()["data"] if t["user"] == "dave"]
     assert used[0]["last_used_at"] is not None
 

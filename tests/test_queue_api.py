@@ -60,7 +60,7 @@ def test_the_queue_lists_a_gangs_reservation_naming_the_job_to_its_owner_only(se
     settings = settings.model_copy(update={"reserve_after_s": 0})
     with TestClient(create_app(settings)) as client:
         client.headers["Authorization"] = f"Bearer {admin_token(settings)}"
-        vera, walt = user(client, "vera"), user(client, "walt")
+        vera, walt = user(client, "vera", multinode=True), user(client, "walt")  # a gang is a right
         gang = mlp_spec(name="gang", resources={"nnodes": 2, "nproc_per_node": 1, "device": "cpu"})
         gang_id = client.post("/v1/jobs", json=gang, headers=vera).json()["id"]
         engine = create_engine(settings.resolved_database_url)

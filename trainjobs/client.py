@@ -570,7 +570,7 @@ class Client:
         return self._call("PUT", f"/v1/teams/{name}", json={"weight": weight, "max_slots": max_slots}).json()
 
     def update_user(self, name: str, **fields) -> dict:
-        """Change a user's team, weight or max_slots (admins): PATCH /v1/users/{name}."""
+        """Change a user's team, weight, max_slots or multinode right (admins): PATCH /v1/users/{name}."""
         return self._call("PATCH", f"/v1/users/{name}", json=fields).json()
 
     def create_token(self, name: str, **fields) -> dict:

@@ -5,8 +5,10 @@ job must see the same folder (a shared filesystem in production), so a retry on 
 from the checkpoints the first one wrote.
 """
 
+import os
 import secrets
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from trainjobs.errors import InvalidRequest, NotFound
@@ -76,10 +78,35 @@ def init_source(storage_dir: Path, job_id: str, checkpoint: str) -> Path | None:
     return latest_checkpoint(folder)
 
 
-def resolve_data_path(path: str, data_dir: Path) -> Path:
-    """A dataset file under data_dir; a path that escapes it is refused."""
-    root = data_dir.resolve()
+# The service's own entries of the data dir: never shown to a job (worker/sandbox.py), never a data.path.
+SERVICE_OWNED = ("runs", "storage", "envs", "package-cache", "redis", "packages", "trainjobs.db",
+                 "trainjobs.db-wal", "trainjobs.db-shm", "trainjobs.db-journal")
+
+
+def resolve_data_path(path: str, data_dir: Path, *, hidden: Iterable[Path] = ()) -> Path:
+    """A dataset file under data_dir; a path that escapes it is refused.
+
+    One of the service's own (SERVICE_OWNED, or in `hidden`: Settings.service_paths) is refused with the words
+    a missing file gets, so that data.path tells no one which jobs, runs or files the service holds."""
+    root, hidden = data_dir.resolve(), tuple(hidden)
+    # NOTE: the words first (before any link is followed): `runs/<x>/link/..` must not tell a link from a file.
+    lexical = Path(os.path.normpath(root / path))
     full = (root / path).resolve()
+    if _service_owned(lexical, root, hidden) or _service_owned(full, root, hidden):
+        raise InvalidRequest(missing_data_path(path), field="data.path")
     if not full.is_relative_to(root):
         raise InvalidRequest(f"data.path {path!r} is outside the data directory", field="data.path")
     return full
+
+
+def _service_owned(path: Path, root: Path, hidden: tuple[Path, ...]) -> bool:
+    if any(path.is_relative_to(h) for h in hidden):
+        return True
+    if not path.is_relative_to(root) or path == root:
+        return False
+    top = path.relative_to(root).parts[0]
+    return top in SERVICE_OWNED or top.startswith("trainjobs.db")
+
+
+def missing_data_path(path: str) -> str:
+    return f"data.path {path!r} is not a file under the data directory"

@@ -16,6 +16,6 @@ router = APIRouter(prefix="/v1/plan", tags=["plan"])
 def plan_job(spec: JobSpec, db: SessionDep, settings: SettingsDep) -> plan.Plan:
     """Both estimates, the choice and the reason. Nothing fitting is an answer here (choice null), not an error:
     only submitting such an "auto" job is refused."""
-    service.check_inputs(spec, data_dir=settings.data_dir)
+    service.check_inputs(spec, data_dir=settings.data_dir, hidden=settings.service_paths)
     workers = worker_rows.memory_for(db, spec=spec, lost_after_s=settings.lease_s)
     return plan.make_plan(spec, workers)

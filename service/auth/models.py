@@ -2,7 +2,7 @@
 
 from datetime import datetime
 
-from sqlalchemy import Boolean, Float, ForeignKey, Integer, String
+from sqlalchemy import Boolean, Float, ForeignKey, Integer, String, false
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.db import Base, UTCDateTime, utcnow
@@ -13,6 +13,8 @@ class User(Base):
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)  # a job's owner
     can_run_entrypoints: Mapped[bool] = mapped_column(Boolean, default=False)  # a user's own script
+    # A multi-node gang (nnodes > 1), whose ranks share their hosts' network: an admin grants it (issue 41).
+    multinode: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # The fair pool (service/scheduling): a team shares first, then its users; a quota bounds slots held at once.
     team: Mapped[str | None] = mapped_column(String(64), index=True)
     weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")

@@ -58,7 +58,8 @@ def hash_secret(secret: str) -> str:
 
 
 def create(db: Session, *, name: str, user: str, role: str = "user", expires_at: datetime | None = None,
-           can_run_entrypoints: bool | None = None, team: str | None = None) -> tuple[ApiToken, str]:
+           can_run_entrypoints: bool | None = None, team: str | None = None,
+           multinode: bool | None = None) -> tuple[ApiToken, str]:
     """A new token for `user` (created if new); returns the row and the secret, which is never stored."""
     if role not in ROLES:
         raise InvalidRequest(f"role must be one of {', '.join(ROLES)}", field="role")
@@ -73,6 +74,8 @@ def create(db: Session, *, name: str, user: str, role: str = "user", expires_at:
         owner.can_run_entrypoints = can_run_entrypoints
     if team is not None:
         owner.team = team
+    if multinode is not None:
+        owner.multinode = multinode
     secret = PREFIX + secrets.token_urlsafe(32)
     row = ApiToken(id=f"tok_{secrets.token_hex(8)}", user=user, name=name, role=role,
                    token_hash=hash_secret(secret), created_at=utcnow(), expires_at=expires_at)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -65,8 +66,11 @@ def cmd_user_set(args, client: Client) -> int:
         fields["clear_team"] = True
     if args.no_max_slots:
         fields["clear_max_slots"] = True
+    if args.multinode is not None:
+        fields["multinode"] = args.multinode
     return tables.answer(client.update_user(args.name, **fields), args.json, lambda user: print(
-        f"user {user['name']}: team {user['team'] or '-'}, weight {user['weight']:g}, max_slots {user['max_slots']}"))
+        f"user {user['name']}: team {user['team'] or '-'}, weight {user['weight']:g}, max_slots {user['max_slots']}, "
+        f"multinode {'yes' if user['multinode'] else 'no'}"))
 
 
 def register(sub) -> None:
@@ -82,15 +86,18 @@ def register(sub) -> None:
     put.set_defaults(remote=cmd_team_set)
     ls = verbs.add_parser("list", help="teams, their members and recent usage")
     ls.set_defaults(remote=cmd_team_list)
-    user = sub.add_parser("user", help="a user's place in the fair pool (admins)")
+    user = sub.add_parser("user", help="a user's place in the fair pool and their rights (admins)")
     uverbs = user.add_subparsers(dest="verb", required=True)
-    uset = uverbs.add_parser("set", help="change a user's team, weight or quota")
+    uset = uverbs.add_parser("set", help="change a user's team, weight, quota or multinode right")
     uset.add_argument("name")
     uset.add_argument("--team")
     uset.add_argument("--no-team", action="store_true", help="leave their team")
     uset.add_argument("--weight", type=float, help="their share within their team (default 1)")
     uset.add_argument("--max-slots", type=int, help="slots their running jobs may hold at once")
     uset.add_argument("--no-max-slots", action="store_true", help="remove their quota")
+    uset.add_argument("--multinode", action=argparse.BooleanOptionalAction, default=None,
+                      help="grant (or --no-multinode withdraw) their right to run multi-node gangs, whose ranks share "
+                      "their hosts' network")
     uset.set_defaults(remote=cmd_user_set)
     for p in (put, ls, uset):
         p.add_argument("--json", action="store_true", help="machine-readable output")

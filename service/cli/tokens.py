@@ -31,6 +31,8 @@ def cmd_create(args, client: Client) -> int:
               "team": args.team}
     if args.entrypoints is not None:
         fields["can_run_entrypoints"] = args.entrypoints
+    if args.multinode is not None:
+        fields["multinode"] = args.multinode
     made = client.create_token(args.name, **{k: v for k, v in fields.items() if v is not None})
     secret = made.pop("token")
     return tables.answer({**made, "token": secret}, args.json, show_secret)
@@ -71,6 +73,8 @@ def register(sub) -> None:
     create.add_argument("--entrypoints", action=argparse.BooleanOptionalAction, default=None,
                         help="grant (or --no-entrypoints withdraw) the user's right to run their own scripts")
     create.add_argument("--team", help="put the user in this team (fair share between teams, then users)")
+    create.add_argument("--multinode", action=argparse.BooleanOptionalAction, default=None,
+                        help="grant (or --no-multinode withdraw) the user's right to run multi-node gangs")
     create.set_defaults(remote=cmd_create)
     ls = verbs.add_parser("list", help="tokens (admins: all; users: their own); never the secrets")
     ls.set_defaults(remote=cmd_list)

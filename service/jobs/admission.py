@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 from redis import Redis
 from redis.exceptions import RedisError
+from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from service.auth.limits import check_rights, check_submissions
+from service.auth.models import User
 from service.auth.tokens import Principal
-from service.errors import IdempotencyConflict, InvalidRequest, NotFound, TrainjobsError
+from service.errors import Forbidden, IdempotencyConflict, InvalidRequest, NotFound, TrainjobsError
 from service.jobs import queue, service
 from service.jobs.models import Job
 from service.packages import service as packages
@@ -132,7 +134,8 @@ def check_own(db: Session, s: Submission, *, settings: Settings) -> None:
     spec = s.spec
     if spec.entrypoint is not None and spec.entrypoint.package is not None:  # the owner's own, or a 404
         packages.get(db, owner=s.principal.user, digest=spec.entrypoint.package, field="entrypoint.package")
-    service.check_inputs(spec, data_dir=settings.data_dir)
+    check_gang(db, spec, principal=s.principal, settings=settings)
+    service.check_inputs(spec, data_dir=settings.data_dir, hidden=settings.service_paths)
     if spec.init_from is not None:
         check_init_from(db, spec, principal=s.principal, settings=settings)
 
@@ -142,7 +145,8 @@ def check(spec: JobSpec, *, db: Session, settings: Settings, principal: Principa
     service refuses costs no upload. Not looked at: its package (uploaded once the spec passes), the submission
     rate and the quota (a submission's). Returns the spec as a job would run it ("auto" resolved)."""
     check_rights(principal, spec)
-    service.check_inputs(spec, data_dir=settings.data_dir)
+    check_gang(db, spec, principal=principal, settings=settings)
+    service.check_inputs(spec, data_dir=settings.data_dir, hidden=settings.service_paths)
     if spec.init_from is not None:
         check_init_from(db, spec, principal=principal, settings=settings)
     live_workers = worker_rows.live(db, lost_after_s=settings.lease_s)
@@ -151,6 +155,21 @@ def check(spec: JobSpec, *, db: Session, settings: Settings, principal: Principa
         worker_rows.check_schedulable(spec, live_workers=live_workers)
     memory = worker_rows.memory_of(live_workers) if worker_rows.plans_against_workers(spec) else []
     return service.new_job(spec, owner=principal.user, workers=memory).spec
+
+
+def check_gang(db: Session, spec: JobSpec, *, principal: Principal, settings: Settings) -> None:
+    """A multi-node gang is a right (issue 41): its ranks share their hosts' network, loopback services included,
+    so an admin grants it per user (users.multinode), unless the operator gave it to all (multinode_for_all).
+    Read from the user's row, not the cached principal: a sweep's trials and a withdrawn right see it now."""
+    if spec.resources.nnodes <= 1 or principal.is_admin or settings.multinode_for_all:
+        return
+    if db.scalar(select(User.multinode).where(User.name == principal.user)):
+        return
+    raise Forbidden(f"user {principal.user!r} may not run a multi-node job (resources.nnodes "
+                    f"{spec.resources.nnodes}): a gang's ranks share their hosts' network, so it is a right an admin "
+                    f"grants (trainjobs user set {principal.user} --multinode, or PATCH /v1/users/{principal.user} "
+                    '{"multinode": true}); an operator may give it to everyone (TRAINJOBS_MULTINODE_FOR_ALL=1)',
+                    field="resources.nnodes")
 
 
 def check_init_from(db, spec: JobSpec, *, principal, settings: Settings) -> None:

@@ -2,7 +2,7 @@
 
 import hashlib
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ from service.jobs import notify as notifications
 from service.jobs.models import Attempt, Job, JobEvent, JobTag
 from service.lists import newest_first, page_of
 from trainjobs import plan as memory_plan
-from trainjobs.paths import is_job_id, new_job_id, resolve_data_path
+from trainjobs.paths import is_job_id, missing_data_path, new_job_id, resolve_data_path
 from trainjobs.plan import WorkerMemory
 from trainjobs.spec import JobSpec
 from trainjobs.states import JobStatus
@@ -33,13 +33,13 @@ def record_event(db: Session, *, job_id: str, kind: str, detail: str | None = No
         notifications.notify(db, job_id=job_id, event=event)
 
 
-def check_inputs(spec: JobSpec, *, data_dir: Path) -> None:
-    """What the spec alone cannot know: that its files exist where the workers will look."""
+def check_inputs(spec: JobSpec, *, data_dir: Path, hidden: Iterable[Path] = ()) -> None:
+    """What the spec alone cannot know: that its files exist where the workers will look (and are no service
+    file, `hidden`: refused in the same words as a missing one)."""
     if spec.data is not None and spec.data.type == "text":
-        path = resolve_data_path(spec.data.path, data_dir)
+        path = resolve_data_path(spec.data.path, data_dir, hidden=hidden)
         if not path.is_file():
-            raise InvalidRequest(f"data.path {spec.data.path!r} is not a file under the data directory",
-                                 field="data.path")
+            raise InvalidRequest(missing_data_path(spec.data.path), field="data.path")
 
 
 def hash_spec(spec: JobSpec) -> str:

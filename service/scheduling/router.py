@@ -167,6 +167,8 @@ class UserPatch(BaseModel):
     weight: float | None = Field(None, gt=0, le=1000, description="its share within its team (default 1)")
     max_slots: int | None = Field(None, ge=0, le=1_000_000, description="slots its running jobs may hold at once")
     clear_max_slots: bool = False
+    multinode: bool | None = Field(None, description="grant (true) or withdraw (false) the right to run a multi-node "
+                                   "gang, whose ranks share their hosts' network; unset: unchanged")
 
 
 class UserPublic(BaseModel):
@@ -177,6 +179,7 @@ class UserPublic(BaseModel):
     weight: float
     max_slots: int | None
     can_run_entrypoints: bool
+    multinode: bool
 
 
 @router.patch("/users/{name}", response_model=UserPublic, responses=responses(400, 403, 404, 413))
@@ -194,6 +197,8 @@ def patch_user(name: Name, body: UserPatch, db: SessionDep, _admin: AdminDep) ->
         row.max_slots = body.max_slots
     if body.clear_max_slots:
         row.max_slots = None
+    if body.multinode is not None:  # read at each admission from the row: no cached principal to revoke
+        row.multinode = body.multinode
     db.commit()
     return UserPublic.model_validate(row)
 
