@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from sqlalchemy import select, update
-from sqlalchemy.exc import DatabaseError
+from sqlalchemy.exc import DatabaseError, IntegrityError
 from sqlalchemy.orm import Session
 
 from service.auth.models import ApiToken, User
@@ -67,10 +67,16 @@ def create(db: Session, *, name: str, user: str, role: str = "user", expires_at:
         raise InvalidRequest("expiry is in the past", field="expires_in_s")
     owner = db.get(User, user)
     if owner is None:
-        owner = User(name=user, can_run_entrypoints=bool(can_run_entrypoints), created_at=utcnow())
-        db.add(owner)
-        db.flush()  # the token's foreign key needs the user's row first
-    elif can_run_entrypoints is not None:
+        try:
+            with db.begin_nested():  # two tokens for a new user at once: one inserts the user, the other uses it
+                owner = User(name=user, can_run_entrypoints=bool(can_run_entrypoints), created_at=utcnow())
+                db.add(owner)
+                db.flush()  # the token's foreign key needs the user's row first
+        except IntegrityError:
+            owner = db.get(User, user, populate_existing=True)
+    if owner is None:
+        raise RuntimeError(f"user {user!r} was neither inserted nor found")  # a bug, as a 500
+    if can_run_entrypoints is not None:
         owner.can_run_entrypoints = can_run_entrypoints
     if team is not None:
         owner.team = team
