@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.errors import InvalidRequest, NotFound, TrainjobsError
@@ -108,7 +109,11 @@ async def receive(chunks: AsyncIterator[bytes], *, settings: Settings, digest: s
 
 
 def store(db: Session, *, settings: Settings, owner: str, digest: str, received: Received) -> tuple[Package, bool]:
-    """Keep a checked upload for `owner` (within their quota): (the package, whether it is new to them)."""
+    """Keep a checked upload for `owner` (within their quota): (the package, whether it is new to them).
+
+    Two uploads of one folder at once (`trainjobs run` twice) both find no row: the primary key (owner, digest)
+    decides, and the loser answers with the winner's package, as a second upload after the first would.
+    """
     try:
         if (package := find(db, owner=owner, digest=digest)) is not None:
             return package, False
@@ -124,7 +129,13 @@ def store(db: Session, *, settings: Settings, owner: str, digest: str, received:
         package = Package(owner=owner, digest=digest, size=received.size, files=received.files,
                           unpacked_bytes=received.unpacked_bytes)
         db.add(package)
-        db.commit()
+        try:
+            db.commit()
+        except IntegrityError:
+            db.rollback()
+            if (winner := find(db, owner=owner, digest=digest)) is None:  # not that race: a bug, as a 500
+                raise
+            return winner, False
         return package, True
     finally:
         received.path.unlink(missing_ok=True)
