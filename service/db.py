@@ -1,8 +1,10 @@
 """Engine, sessions and the declarative base shared by every domain's models."""
 
 import logging
+import os
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 
 from sqlalchemy import DateTime, Engine, create_engine, event, text
 from sqlalchemy.exc import InterfaceError, OperationalError, ProgrammingError
@@ -61,9 +63,33 @@ def session_name(name: str) -> str:
     return "".join(c if " " <= c <= "~" else "?" for c in name)[:63]
 
 
+def make_private_dir(path: Path) -> None:
+    """The data dir: made 0700 (umask 077) where it is new; its parents as the umask says. An operator's folder
+    that already exists keeps its mode: theirs to set. Jobs reach their parts through the sandbox, not by it."""
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.chmod(0o700)  # also where a umask wider than 077 narrowed mkdir's mode
+
+
+def make_private_sqlite(url: str) -> None:
+    """The SQLite file made 0600 before SQLite makes it 0644 (the umask's): every owner's logs, jobs and webhook
+    secrets are in it. SQLite gives its -wal and -shm files the database's own mode."""
+    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+        return
+    path = Path(url.removeprefix("sqlite:///").partition("?")[0])
+    if not path.name or path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        pass  # another process made it first, 0600 too
+
+
 def make_engine(url: str, *, application_name: str | None = None) -> Engine:
     """An engine on `url`; on PostgreSQL its sessions carry `application_name` (a worker's: its name)."""
     if url.startswith("sqlite"):
+        make_private_sqlite(url)
         # NOTE: API, worker and supervisor write the same file; WAL plus a busy timeout
         # turns "database is locked" into a short wait.
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})

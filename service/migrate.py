@@ -8,6 +8,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine
 
 import migrations
+from service.db import make_private_sqlite
 
 
 def alembic_config(url: str) -> Config:
@@ -17,6 +18,7 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
+    make_private_sqlite(url)  # 0600 before the first connection makes it
     command.upgrade(alembic_config(url), revision)
 
 

@@ -28,7 +28,7 @@ from service.auth.cache import PrincipalCache
 from service.auth.deps import current_principal
 from service.auth.router import router as auth_router
 from service.dashboard.router import router as dashboard_router
-from service.db import UNREACHABLE, make_engine, make_sessionmaker
+from service.db import UNREACHABLE, make_engine, make_private_dir, make_sessionmaker
 from service.errors import TrainjobsError, responses
 from service.jobs.bodies import RenderedJobs
 from service.jobs.router import router as jobs_router
@@ -90,7 +90,7 @@ def allowed_methods(app: FastAPI, path: str) -> str:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(settings.data_dir)  # 0700 where new
     app = FastAPI(title="trainjobs", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = make_engine(settings.resolved_database_url)

@@ -131,11 +131,12 @@ def cmd_db(args, settings: Settings) -> int:
     from alembic.util import CommandError
 
     from service import migrate
+    from service.db import make_private_dir
 
     if args.action == "downgrade" and not args.revision:
         console.print("[red]trainjobs db downgrade needs a revision: a number such as 0016, or -1 for one step")
         return 2
-    settings.data_dir.mkdir(parents=True, exist_ok=True)  # the default SQLite file lives there
+    make_private_dir(settings.data_dir)  # 0700, the default SQLite file lives there
     url = settings.resolved_database_url
     try:
         if args.action == "upgrade":

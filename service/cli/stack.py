@@ -18,7 +18,7 @@ from redis.exceptions import AuthenticationError
 
 from service import migrate
 from service.auth import tokens
-from service.db import make_engine, make_sessionmaker
+from service.db import make_engine, make_private_dir, make_sessionmaker
 from service.redis_auth import needs_no_password, with_password
 from service.settings import Settings, check_bind
 
@@ -85,7 +85,7 @@ class Stack:
         return env
 
     def start(self) -> None:
-        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.settings.data_dir)  # 0700 where new
         self._bring_up_redis()
         migrate.upgrade(self.settings.resolved_database_url)
         check_bind(self.settings, self.host)
