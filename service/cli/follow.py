@@ -222,22 +222,45 @@ def print_output(client: Client, job_id: str, offset: int, console: Console, *, 
 
 
 def print_outcome(job: dict, console: Console) -> int:
-    """The job's final status, summary and error (the user's text, printed as text); returns its exit code."""
+    """The job's final status, summary and error, then earlier attempts' errors, each labelled as retried (the
+    user's text, printed as text); returns its exit code."""
     style = {"succeeded": "green", "failed": "red", "cancelled": "yellow"}.get(job["status"], "white")
-    console.print(Text.assemble("job ", (job["id"], "bold"), " ", (job["status"], style)))
+    attempt = job.get("attempt") or 1
+    console.print(Text.assemble("job ", (job["id"], "bold"), " ", (job["status"], style),
+                                f" on attempt {attempt}" if attempt > 1 else ""))
     if job.get("summary"):
         table = Table("metric", "value", title="summary")
         for key, value in job["summary"].items():
             shown = f"{value:.6g}" if isinstance(value, float) else "-" if value is None else str(value)
             table.add_row(Text(key), Text(shown))
         console.print(table)
-    if job.get("error"):
-        err = job["error"]
+    if err := final_error(job):
         rank = f" on rank {err['rank']}" if err.get("rank") is not None else ""
         console.print(Text(f"{err.get('type')}{rank}: {err.get('message')}", style="red"))
         if frames := last_lines(err.get("traceback") or err.get("excerpt") or "", TRACEBACK_LINES):
             console.print(Text(frames))
+    print_retried(job, console)
     return exit_code(job)
+
+
+def final_error(job: dict) -> dict | None:
+    """The error that ended the job: None where it succeeded, or where the error kept is an earlier attempt's (a
+    job cancelled while its retry ran)."""
+    err = job.get("error")
+    if not err or job["status"] == "succeeded":
+        return None
+    causes = err.get("attempts") or []
+    return err if not causes or causes[-1].get("attempt") == (job.get("attempt") or 1) else None
+
+
+def print_retried(job: dict, console: Console) -> None:
+    """One line per earlier attempt that failed and was retried: `attempt 1 (retried): RuntimeError: ...`."""
+    err, attempt = job.get("error") or {}, job.get("attempt") or 1
+    causes = [(f"attempt {c['attempt']}", c) for c in err.get("attempts") or [] if (c.get("attempt") or 0) < attempt]
+    if err and not err.get("attempts") and final_error(job) is None:  # an error kept without its history
+        causes = [("an earlier attempt", err)]
+    for label, cause in causes:
+        console.print(Text(f"{label} (retried): {cause.get('type')}: {cause.get('message')}", style="yellow"))
 
 
 TRACEBACK_LINES = 12  # of a failed rank's traceback (or, without one, of its output) under the error

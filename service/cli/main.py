@@ -31,7 +31,16 @@ from service.cli import run as run_cli
 from service.cli import sweeps as sweeps_cli
 from service.cli import tokens as auth_cli
 from service.cli import webhooks as webhooks_cli
-from service.cli.follow import add_output_flags, check_spec_rank, follow, place, print_outcome, rank_number, submitted
+from service.cli.follow import (
+    add_output_flags,
+    check_spec_rank,
+    follow,
+    place,
+    print_outcome,
+    print_retried,
+    rank_number,
+    submitted,
+)
 from trainjobs.states import TERMINAL
 
 if TYPE_CHECKING:  # imported when a command runs (see main): `trainjobs --help` needs neither httpx nor pydantic
@@ -82,6 +91,8 @@ def cmd_status(args, client: Client) -> int:
         console.print(Text.assemble((f"warning ({warning['kind']}):", "yellow"), f" {warning['message']}"))
     if job["status"] in TERMINAL:
         print_outcome(job, console)
+    else:  # a retry queued or running: why the attempts before it ended
+        print_retried(job, console)
     for node in client.attempts(args.job_id)["items"]:
         if node["number"] == job["attempt"] and node["stacks"]:
             print_stacks(node, full=False)

@@ -1,0 +1,58 @@
+"""What the CLI says, as a user reads it: a retried job's attempts named, the outcome first."""
+
+import io
+
+from rich.console import Console
+
+from service.cli.follow import print_outcome, print_retried
+
+FAULT = {"type": "RuntimeError", "message": "injected fault", "rank": 0,
+         "traceback": "Traceback (most recent call last):\n  File \"train.py\", line 3\nRuntimeError: injected fault"}
+
+
+def shown(print_, job: dict) -> str:
+    out = io.StringIO()
+    print_(job, Console(file=out, width=120))
+    return out.getvalue()
+
+
+def test_a_job_that_succeeded_on_its_second_attempt_says_so_first_and_labels_the_first_attempts_error():
+    job = {"id": "j1", "status": "succeeded", "attempt": 2, "summary": {"final_loss": 0.25},
+           "error": {**FAULT, "attempts": [{"attempt": 1, "type": "RuntimeError", "message": "injected fault"}]}}
+    text = shown(print_outcome, job)
+    lines = text.splitlines()
+    assert lines[0] == "job j1 succeeded on attempt 2", text
+    assert lines[-1] == "attempt 1 (retried): RuntimeError: injected fault", text
+    assert "Traceback" not in text and "on rank 0" not in text  # the retried fault is no outcome
+
+
+def test_a_job_that_failed_twice_shows_its_last_error_then_the_retried_one():
+    job = {"id": "j1", "status": "failed", "attempt": 2, "summary": None,
+           "error": {**FAULT, "message": "second fault",
+                     "attempts": [{"attempt": 1, "type": "RuntimeError", "message": "injected fault"},
+                                  {"attempt": 2, "type": "RuntimeError", "message": "second fault"}]}}
+    lines = shown(print_outcome, job).splitlines()
+    assert lines[0] == "job j1 failed on attempt 2"
+    assert lines[1] == "RuntimeError on rank 0: second fault" and "RuntimeError: injected fault" in lines
+    assert lines[-1] == "attempt 1 (retried): RuntimeError: injected fault"
+
+
+def test_a_job_cancelled_during_its_retry_shows_the_first_attempts_error_as_retried_only():
+    job = {"id": "j1", "status": "cancelled", "attempt": 2, "summary": None,
+           "error": {**FAULT, "attempts": [{"attempt": 1, "type": "RuntimeError", "message": "injected fault"}]}}
+    assert shown(print_outcome, job).splitlines() == ["job j1 cancelled on attempt 2",
+                                                      "attempt 1 (retried): RuntimeError: injected fault"]
+
+
+def test_a_job_that_failed_on_its_only_attempt_reads_as_before():
+    job = {"id": "j1", "status": "failed", "attempt": 1, "summary": None,
+           "error": {**FAULT, "attempts": [{"attempt": 1, "type": "RuntimeError", "message": "injected fault"}]}}
+    text = shown(print_outcome, job)
+    assert text.splitlines()[:2] == ["job j1 failed", "RuntimeError on rank 0: injected fault"]
+    assert "retried" not in text and "RuntimeError: injected fault" in text  # the traceback's last line
+
+
+def test_a_running_retry_names_the_attempt_before_it():
+    job = {"id": "j1", "status": "running", "attempt": 2,
+           "error": {**FAULT, "attempts": [{"attempt": 1, "type": "RuntimeError", "message": "injected fault"}]}}
+    assert shown(print_retried, job) == "attempt 1 (retried): RuntimeError: injected fault\n"
