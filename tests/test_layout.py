@@ -97,7 +97,7 @@ def test_a_real_training_rank_loads_no_sqlalchemy_and_no_control_plane(tmp_path,
 # only what sits below its package, with two tiers across the packages: every domain's tables (`models.py`) sit
 # under all the domains' logic, so any module may read any table; and every `router.py` sits above all of it,
 # below the app (`api/`), which assembles the routers. The bottom modules (`deps.py` among them) import no domain.
-ORDER = ["errors", "redis_auth", "settings", "db", "lists", "deps", "undumpable", "storage",  # the bottom
+ORDER = ["errors", "redis_auth", "settings", "db", "lists", "deps", "undumpable", "jobfiles", "storage",  # bottom
          "auth", "packages", "webhooks", "logs", "workers", "scheduling", "jobs", "metrics", "sweeps",  # domains
          "artifacts", "dashboard",
          "models", "migrate", "api", "cli"]  # every table for Alembic; the schema's upgrades; the processes

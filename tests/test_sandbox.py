@@ -271,3 +271,75 @@ def test_an_attempts_cgroup_left_by_a_killed_work_horse_is_swept_and_a_live_ones
     finally:
         stale.remove()
         live.remove()
+
+
+# --- The root worker reaches a job's files by descriptor, never through what the job planted (issue 41) ---
+
+def plant(stack, what: str, to: str = "", **spec) -> tuple[dict, str]:
+    """A job of hostile.py that plants `what` (pointing at `to`), then ends; its end state and logs."""
+    with stack.client(timeout=10) as api:
+        job_id = submit_spec(api, "plant", {"plant": what, "to": to}, **spec)
+        return wait_terminal(api, job_id), api.get(f"/v1/jobs/{job_id}/logs").text
+
+
+def submit_spec(api, probe: str, target: dict, **extra) -> str:
+    spec = {"name": f"hostile-{probe}", "resources": {"nproc_per_node": 1, "device": "cpu"},
+            "entrypoint": {"script": "hostile.py", "args": [probe]}, "env": {"TARGET": json.dumps(target)},
+            "timeout_s": 120, **extra}
+    response = api.post("/v1/jobs", json=spec)
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def test_init_from_a_model_that_is_a_link_is_refused_naming_it_and_lends_nothing(stack):
+    database = stack.settings.data_dir / "trainjobs.db"
+    source, logs = plant(stack, "model-link", str(database))
+    assert source["status"] == "succeeded", logs
+    job, logs = plant(stack, "nothing", init_from={"job": source["id"], "checkpoint": "final"})
+    assert job["status"] == "failed", logs
+    assert job["error"]["type"] == "init_from_unavailable"
+    assert "artifacts/model.pt is a link" in job["error"]["message"]
+    assert "SQLite format" not in logs and job["attempt"] == 1  # never launched, never retried
+    # The next job of the same worker runs.
+    job, logs = plant(stack, "nothing")
+    assert job["status"] == "succeeded", logs
+
+
+def test_a_checkpoint_that_is_a_link_to_another_jobs_is_no_checkpoint(stack, victim):
+    source, logs = plant(stack, "checkpoint-link", str(victim["checkpoints"]))
+    assert source["status"] == "succeeded", logs
+    with stack.client(timeout=10) as api:
+        spec = {"resources": {"nproc_per_node": 1, "device": "cpu"}, "entrypoint": {"script": "hostile.py"},
+                "init_from": {"job": source["id"], "checkpoint": "latest"}}
+        response = api.post("/v1/jobs", json=spec)
+    assert response.status_code == 422 and "init_from" in response.text, response.text
+
+
+def test_a_metrics_file_made_a_fifo_fails_its_job_at_once_and_the_lane_runs_the_next(stack):
+    job, logs = plant(stack, "metrics-fifo")
+    assert job["status"] == "failed", logs
+    assert job["error"]["type"] == "unsafe_file" and "metrics.jsonl is a FIFO" in job["error"]["message"], job
+    assert job["attempt"] == 1  # not retried: it would plant it again
+    job, logs = plant(stack, "nothing")
+    assert job["status"] == "succeeded", logs
+
+
+def test_a_metrics_file_linked_to_another_file_is_not_read(stack, tmp_path):
+    other = tmp_path / "other-jobs-metrics.jsonl"
+    other.write_text(json.dumps({"type": "metrics", "step": 1, "time": 1.7e9, "metrics": {"stolen": 1.0}}) + "\n")
+    os.chmod(tmp_path, 0o755)
+    job, logs = plant(stack, "metrics-link", str(other))
+    assert job["status"] == "failed", logs
+    assert job["error"]["type"] == "unsafe_file" and "metrics.jsonl is a link" in job["error"]["message"], job
+    with stack.client(timeout=10) as api:
+        assert api.get(f"/v1/jobs/{job['id']}/metrics").json()["series"] == []
+
+
+def test_a_ranks_error_file_linked_to_a_root_only_file_is_not_read_into_the_jobs_error(stack, tmp_path):
+    secret = tmp_path / "root-only.json"  # what torchrun's error file holds, so a read would show it whole
+    secret.write_text(json.dumps({"message": {"message": "RootOnly: the host's secret"}}))
+    secret.chmod(0o600)
+    job, logs = plant(stack, "error-link", str(secret))
+    assert job["status"] == "failed", logs
+    assert "the host's secret" not in json.dumps(job) and "the host's secret" not in logs
+    assert job["error"]["type"] == "process_exit" and "exited with code" in job["error"]["message"], job["error"]

@@ -7,8 +7,9 @@ from the checkpoints the first one wrote.
 
 import os
 import secrets
+import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from trainjobs.errors import InvalidRequest, NotFound
@@ -48,10 +49,22 @@ def checkpoint_step(name: str) -> int | None:
 
 
 def complete_checkpoints(root: Path, marks: tuple[str, ...] = (CHECKPOINT_COMPLETE,)) -> list[Path]:
-    """The checkpoint folders in `root` holding one of `marks` (written last, once the rest is), oldest first."""
+    """The checkpoint folders in `root` holding one of `marks` (written last, once the rest is), oldest first.
+
+    NOTE: a job writes its checkpoints folder: a `step_N` or a mark that is a link (to another job's checkpoint)
+    is none of its checkpoints."""
     found = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if checkpoint_step(p.name) is not None
-             and any((p / mark).is_file() for mark in marks)] if root.is_dir() else []
+             and _is_real(p, stat.S_ISDIR) and any(_is_real(p / mark, stat.S_ISREG) for mark in marks)] \
+        if root.is_dir() else []
     return sorted(found, key=lambda p: checkpoint_step(p.name))
+
+
+def _is_real(path: Path, kind: Callable[[int], bool]) -> bool:
+    """`path` is of `kind` itself: not a link to one."""
+    try:
+        return kind(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 def latest_checkpoint(job_folder: Path) -> Path | None:
@@ -74,7 +87,8 @@ def init_source(storage_dir: Path, job_id: str, checkpoint: str) -> Path | None:
     folder = job_dir(storage_dir, job_id)
     if checkpoint == "final":
         path = folder / ARTIFACTS / MODEL_FILE
-        return path if path.is_file() else None
+        # Whatever lies there: the worker opens it as service/jobfiles.py does, and names a link or a FIFO it finds.
+        return path if os.path.lexists(path) else None
     return latest_checkpoint(folder)
 
 

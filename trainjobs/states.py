@@ -73,6 +73,9 @@ class ErrorType(StrEnum):
     ENTRYPOINT_NOT_FOUND = "entrypoint_not_found"
     PACKAGE_UNAVAILABLE = "package_unavailable"  # the worker cannot read the job's package (deleted, not shared)
     UNSAFE_PACKAGE = "unsafe_package"  # the worker's own check of the package before unpacking refused it
+    # A file the job left for the worker to read (its metrics, its ranks' error files) is a link, a FIFO, a device
+    # or a hard link: the worker does not follow it (service/jobfiles.py), and the job fails naming the file.
+    UNSAFE_FILE = "unsafe_file"
     INIT_FROM_UNAVAILABLE = "init_from_unavailable"  # spec.init_from's weights are gone (deleted, collected)
     HANG = "hang"  # no progress past the hang bound (spec.hang): the ranks' stacks are on the attempt
     IDLE = "idle"  # its devices (on CPU: every rank's CPU) below idle.min_util for idle.window_s, action fail

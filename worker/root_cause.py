@@ -5,9 +5,11 @@ import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 
+from service import jobfiles
 from trainjobs.rank_output import rank_lines
 from trainjobs.states import ErrorType
 
+ERROR_FILE, ERROR_FILE_MAX = "error.json", 1 << 20  # torchrun's per-rank error file (@record), read up to 1 MiB
 # Errors a rank reports when a *peer* died: never the root cause when another rank has one.
 PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
                "SignalException", "Broken pipe")
@@ -23,11 +25,12 @@ def root_cause(run_dir: Path, exit_code: int | None, *, excerpt: str, entrypoint
                nproc: int | None = None) -> dict:
     """The job's `error`. nproc is given for a node of a gang: its ranks' global numbers are c10d's, unknown here."""
     candidates = []
-    for path in (run_dir / "torchelastic").glob("**/error.json"):
-        try:
-            body = json.loads(path.read_text())["message"]
-            local_rank = int(path.parent.name)
-        except (OSError, ValueError, KeyError, TypeError):
+    for rel in jobfiles.find(run_dir, "torchelastic", ERROR_FILE):
+        try:  # NOTE: the ranks wrote it: no link followed, no FIFO opened, no more read than an error holds
+            data, _ = jobfiles.read_bytes(run_dir, rel, limit=ERROR_FILE_MAX)
+            body = json.loads(data)["message"]
+            local_rank = int(rel.parent.name)
+        except (OSError, ValueError, KeyError, TypeError):  # Refused too: a planted link is no rank's error
             continue
         message = body["message"] if isinstance(body, dict) else str(body)
         extra = body.get("extraInfo", {}) if isinstance(body, dict) else {}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from service import jobfiles
 from service.logs import service as logs
 from service.metrics import service as metrics
 from trainjobs.runenv import METRIC_NAME_MAX, parse_record
@@ -295,15 +296,18 @@ class MetricTail:
         # Each log window's own step time per rank (the runtime's step_time_s/rank<r>), once committed.
         self.rank_windows: list[dict[int, float]] = []
         self._rank_staged: list[dict[int, float]] = []
+        self.refused: str | None = None  # why the file is no longer read ("metrics.jsonl is a FIFO"): the job fails
 
     def _read(self) -> tuple[bytes, int]:
         """The next complete lines (at most READ_MAX bytes) and how many bytes wait after them."""
-        try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                f.seek(self.pos)
-                data = f.read(READ_MAX)
+        if self.refused:
+            return b"", 0
+        try:  # NOTE: the job owns its run dir: the file may be a link or a FIFO it planted (service/jobfiles.py)
+            data, size = jobfiles.read_bytes(self.path.parent, self.path.name, limit=READ_MAX, offset=self.pos)
         except FileNotFoundError:
+            return b"", 0
+        except jobfiles.Refused as exc:
+            self.refused = str(exc)
             return b"", 0
         return data, max(0, size - self.pos - len(data))  # (the file may have grown since the fstat)
 

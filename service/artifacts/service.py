@@ -2,23 +2,23 @@
 
 NOTE: a running job writes into its own folder with the uid of its worker, so it can put a link anywhere in
 it, or swap a folder for a link between a check and a read (TRAINJOBS_ARTIFACTS_DIR -> /). Nothing here
-follows a link: a path is opened one name at a time from the storage folder with O_NOFOLLOW, and what is
-served is the file that was opened and checked, never its name looked up again.
+follows a link: a path is opened as service/jobfiles.py opens every job's file (from the job's folder, no link
+at any part, no FIFO), and what is served is the file that was opened and checked, never its name again.
 """
 
 import os
 import stat
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
+from service import jobfiles
 from service.errors import ArtifactNotFound, InvalidRequest
 from service.settings import Settings
 from trainjobs.paths import ARTIFACTS, CHECKPOINTS, job_dir
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO must not hang the open
 
 
 def checkpoint_dir(settings: Settings, job_id: str) -> Path:
@@ -35,27 +35,32 @@ def open_artifact(settings: Settings, job_id: str, name: str) -> tuple[BinaryIO,
     if not name or "\0" in name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise InvalidRequest(f"artifact name {name!r} is not a file name inside the job's artifacts", field="name")
     missing = ArtifactNotFound(f"job {job_id} has no artifact {name!r}", field="name")
-    fd = _open_artifacts_dir(settings, job_id)
-    if fd is None:
-        raise missing
     try:
-        for i, part in enumerate(parts):
-            try:
-                found = os.open(part, _FILE if i == len(parts) - 1 else _DIR, dir_fd=fd)
-            except OSError:
-                if _is_link(part, fd):
-                    raise InvalidRequest(f"artifact name {name!r} goes through a link; links are not served",
-                                         field="name") from None
-                raise missing from None
-            os.close(fd)
-            fd = found
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise missing
-        file = os.fdopen(fd, "rb")
-    except BaseException:
+        top = jobfiles.open_folder(job_dir(settings.resolved_storage_dir, job_id))
+    except OSError:
+        raise missing from None
+    try:
+        folder = jobfiles.open_beneath(top, ARTIFACTS, folder=True)  # the job's folder itself swapped: none
+    except OSError:
+        raise missing from None
+    finally:
+        os.close(top)
+    try:
+        fd = jobfiles.open_beneath(folder, PurePosixPath(*parts))
+    except jobfiles.Refused as exc:
+        if exc.what == "is a link":
+            raise InvalidRequest(f"artifact name {name!r} goes through a link; links are not served",
+                                 field="name") from None
+        raise missing from None
+    except OSError:
+        raise missing from None
+    finally:
+        os.close(folder)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        raise
+        raise missing
+    file = os.fdopen(fd, "rb")
     return file, info
 
 
@@ -109,8 +114,3 @@ def _open_artifacts_dir(settings: Settings, job_id: str) -> int | None:
     return fd
 
 
-def _is_link(name: str, dir_fd: int) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False

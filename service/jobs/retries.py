@@ -12,6 +12,7 @@ FINAL_TYPES = frozenset({
     "ImportError", "ModuleNotFoundError", "AssertionError", "NotImplementedError", "ZeroDivisionError",
     ErrorType.TIMEOUT, ErrorType.ENTRYPOINT_DISABLED, ErrorType.INVALID_ENTRYPOINT, ErrorType.ENTRYPOINT_NOT_FOUND,
     ErrorType.ATTEMPT_LOST, ErrorType.PACKAGE_UNAVAILABLE, ErrorType.UNSAFE_PACKAGE,
+    ErrorType.UNSAFE_FILE,  # the job planted a link or a FIFO where the worker reads: it would again
     ErrorType.REQUIREMENTS_FAILED,  # pip's answer for the same list is the same: a typo, a missing release
     ErrorType.INIT_FROM_UNAVAILABLE,
     ErrorType.IDLE,  # idle.action fail: the user asked for no second try of a job that sat idle

@@ -1,8 +1,8 @@
 """A folder's files into the store, for the worker: every regular file, no link followed nor stored.
 
 NOTE: the ranks write the folders the worker uploads (checkpoints, artifacts), so a file in them may be a link
-planted to make the worker (root) upload something else: every file is opened from its folder's descriptor with
-O_NOFOLLOW, as service/artifacts does.
+planted to make the worker (root) upload something else: every file is opened from its folder's descriptor as
+service/jobfiles.py opens a job's files.
 """
 
 import os
@@ -10,10 +10,10 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from service import jobfiles
 from service.storage.store import Store
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def upload_tree(store: Store, parent: Path, name: str, key_of: Callable[[str], str], *,
@@ -31,12 +31,12 @@ def upload_tree(store: Store, parent: Path, name: str, key_of: Callable[[str], s
         for folder, _, names, folder_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
             for file_name in sorted(names):
                 try:
-                    file_fd = os.open(file_name, _FILE, dir_fd=folder_fd)
+                    file_fd = jobfiles.open_beneath(folder_fd, file_name)
                 except FileNotFoundError:
                     if whole:
                         raise
                     continue
-                except OSError:  # a link (O_NOFOLLOW: ELOOP), a socket
+                except OSError:  # Refused: a link, a FIFO, a socket, a hard link
                     continue
                 with os.fdopen(file_fd, "rb") as file:
                     info = os.fstat(file_fd)

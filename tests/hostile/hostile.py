@@ -139,6 +139,29 @@ def memory():
     print("RESULT memory allowed 16 GiB", flush=True)
 
 
+def plant():
+    """Leave a link or a FIFO where the root worker reads the job's files (TARGET: what, and where it points)."""
+    what, to = TARGET["plant"], TARGET.get("to", "")
+    places = {"model-link": Path(os.environ["TRAINJOBS_ARTIFACTS_DIR"], "model.pt"),
+              "checkpoint-link": Path(os.environ["TRAINJOBS_CHECKPOINT_DIR"], "step_00000001"),
+              "metrics-link": Path(os.environ["TRAINJOBS_METRICS_FILE"]),
+              "metrics-fifo": Path(os.environ["TRAINJOBS_METRICS_FILE"]),
+              "error-link": Path(os.environ.get("TORCHELASTIC_ERROR_FILE", "error.json"))}
+    if what == "nothing":
+        print("RESULT plant allowed nothing", flush=True)
+        return
+    place = places[what]
+    place.parent.mkdir(parents=True, exist_ok=True)
+    place.unlink(missing_ok=True)
+    if what == "metrics-fifo":
+        os.mkfifo(place)
+    else:
+        place.symlink_to(to)
+    print(f"RESULT plant allowed {what} at {place}", flush=True)
+    if what == "error-link":
+        sys.exit(3)  # torchrun's error file of a rank that failed: the root worker reads it
+
+
 PROBES = {"queue": queue, "files": files, "procs": procs, "daemon": daemon, "linger": linger, "forkbomb": forkbomb,
-          "memory": memory}
+          "memory": memory, "plant": plant}
 PROBES[sys.argv[1]]()

@@ -27,11 +27,15 @@ class Outcome:
 
 
 def stopped(stop_reason: str | None, exit_code: int | None, killed: list[int], *, spec: JobSpec,
-            settings: Settings, watch: Watch, node_rank: int, device_problem: str | None = None) -> Outcome | None:
+            settings: Settings, watch: Watch, node_rank: int, device_problem: str | None = None,
+            unsafe: str | None = None) -> Outcome | None:
     """The failure of an attempt the worker stopped for a reason of its own (its time, its watch, its lease, a
     device of its gone bad); None for any other end (a cancel, a preemption, the ranks' own exit)."""
     base = {"rank": None, "exit_code": exit_code}
-    if stop_reason == "timeout":
+    if unsafe is not None:  # whatever else ended it: the job planted a link or a FIFO where the worker reads
+        error = {"type": ErrorType.UNSAFE_FILE, **base, "message": f"{unsafe}: the worker reads a job's files only "
+                 "when they are regular files of its own, and stopped reading it"}
+    elif stop_reason == "timeout":
         error = {"type": ErrorType.TIMEOUT, "message": f"job ran past timeout_s={spec.timeout_s:g}", **base}
     elif stop_reason == "hung":
         error = {"type": ErrorType.HANG, "message": watch.hang_message, **base, "final": watch.hang_action == "fail"}

@@ -29,6 +29,7 @@ class Code:
     entry_script: Path | None = None
     requirements: list[str] = field(default_factory=list)
     init_from: Path | None = None
+    init_job: str | None = None  # whose weights init_from are: the spec's init_from.job
 
 
 def find_code(spec: JobSpec, settings: Settings, run_dir: Path, *, lease: Lease | None = None) -> Code:
@@ -38,7 +39,7 @@ def find_code(spec: JobSpec, settings: Settings, run_dir: Path, *, lease: Lease 
     scripts_dir = code_dir or settings.resolved_scripts_dir
     entry_script = launch.check_entrypoint(spec, allowed=settings.allow_entrypoints, scripts_dir=scripts_dir)
     return Code(scripts_dir, code_dir, entry_script, requirements(spec, settings, code_dir),
-                init_weights(spec, settings, lease=lease))
+                init_weights(spec, settings, lease=lease), spec.init_from.job if spec.init_from else None)
 
 
 def refusal(exc: Exception) -> dict:
@@ -107,6 +108,11 @@ def init_weights(spec: JobSpec, settings: Settings, *, lease: Lease | None = Non
         raise launch.EntrypointRefused(ErrorType.INIT_FROM_UNAVAILABLE, f"init_from: job {spec.init_from.job} has "
                                        f"no {spec.init_from.checkpoint} weights any more (deleted, or collected by "
                                        "retention)")
+    try:  # checked here, so a planted link fails the job before anything starts; lent (checked again) at launch
+        os.close(sandbox.lend_init_source(sandbox.for_worker(settings), settings, spec.init_from.job, source))
+    except OSError as exc:  # Refused: a link, a FIFO, a file not the job's
+        raise launch.EntrypointRefused(ErrorType.INIT_FROM_UNAVAILABLE, f"init_from: job {spec.init_from.job}'s "
+                                       f"{exc}; the worker lends only the job's own regular files") from None
     return source
 
 

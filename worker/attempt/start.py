@@ -20,7 +20,8 @@ def enclose(settings: Settings, *, job_id: str, run_dir: Path, job_dir: Path, py
     """The attempt's sandbox (where this worker makes one) and its cgroup, bounded to its share's memory."""
     return sandbox.Box(sandbox.for_worker(settings), settings, sandbox.Attempt(
         job_id=job_id, run_dir=run_dir, job_dir=job_dir, python=python, data_dir=settings.data_dir,
-        scripts_dir=code.scripts_dir, cwd=code.code_dir or run_dir, init_from=code.init_from, gang=gang is not None,
+        scripts_dir=code.scripts_dir, cwd=code.code_dir or run_dir, init_from=code.init_from,
+        init_job=code.init_job, gang=gang is not None,
         node_rank=gang.node_rank if gang else 0, devices=placed.device_nodes(),
     ), memory_bytes=placed.memory_bytes(sandbox.default_memory_bytes()), cpus=placed.cores)
 
@@ -71,9 +72,10 @@ def launch_attempt(argv: list[str], env: dict[str, str], *, cwd: Path, box: sand
     try:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec,
-                                umask=box.umask)
+                                umask=box.umask, pass_fds=box.pass_fds)
     except BaseException:
         box.close()
         raise
+    box.launched()
     procs.root_pid = proc.pid
     return Launched(proc, procs, Launcher(proc.pid), OutputPump(proc.stdout.fileno()))
