@@ -44,6 +44,16 @@ def requirement_problem(line: str) -> str | None:
     return None
 
 
+def direct_reference(line: str) -> str | None:
+    """The URL of a direct reference (`name @ https://...`), else None. Where pip fetches it from is the job's
+    choice, not the operator's index: a service takes them only where its operator allows them
+    (TRAINJOBS_ALLOW_DIRECT_URLS)."""
+    try:
+        return Requirement(line.strip()).url
+    except InvalidRequirement:
+        return None
+
+
 def read_requirements(text: str) -> list[str]:
     """A requirements file's requirement lines: comments, blank lines and line continuations handled."""
     lines, current = [], ""

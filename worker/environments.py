@@ -7,9 +7,15 @@ packages first, then the worker's (torch, numpy, trainjobs), then the system's. 
 env's Python so that it installs into the env, with a constraint that pins torch to the worker's version: a
 requirement that would replace torch fails instead of downloading another build.
 
+pip runs in a sandbox of its own (worker/build_sandbox.py): as the job's uid, or the worker's in a user namespace,
+seeing only the env it builds and reaching only the package index; --prefer-binary, and no direct URL reference
+unless TRAINJOBS_ALLOW_DIRECT_URLS. On a worker without a sandbox (TRAINJOBS_SANDBOX=off) it runs as the worker,
+as the job's own code then does.
+
 Locks (flock on <key>.lock): a build holds it exclusive; an attempt that runs in the env holds it shared until
-it ends, so evicting (exclusive, never waiting) never removes an env in use. An env is complete once its
-READY file exists; an incomplete one found under the exclusive lock is a build that died: removed, built again.
+it ends, so evicting (exclusive, never waiting) never removes an env in use. An env is complete once <key>.ready
+exists (beside it, not in it: the build writes in the env, and could plant a link there); an incomplete one found
+under the exclusive lock is a build that died: removed, built again.
 """
 
 import fcntl
@@ -26,15 +32,19 @@ import sysconfig
 import time
 import venv
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from service.settings import Settings
+from trainjobs.spec import direct_reference, requirement_problem
+from worker import build_sandbox, sandbox
 from worker.packages import evict_lru
 from worker.shipping import OutputPump
 
 log = logging.getLogger(__name__)
-READY = ".trainjobs-ready"
+READY = ".ready"  # <key>.ready beside <key>/
 POLL_S = 0.2
 
 
@@ -84,8 +94,9 @@ class EnvCache:
         self.root, self.max_bytes = root, max_bytes
 
     def acquire(self, requirements: list[str], *, output: Callable[[bytes], object], tick: Callable[[], bool],
-                timeout_s: float, base_env: dict[str, str]) -> Env:
-        """The env for `requirements`, built if this machine has none; held until Env.release().
+                timeout_s: float, base_env: dict[str, str], settings: Settings, job_id: str) -> Env:
+        """The env for `requirements`, built if this machine has none (in the sandbox, as job `job_id`'s uid on a
+        root worker); held until Env.release().
 
         `output` receives what to show in the attempt's log (pip's own output among it); `tick` is called at least
         every POLL_S while waiting or building and returns True when the attempt must stop (BuildStopped).
@@ -96,16 +107,16 @@ class EnvCache:
         try:
             waited = False
             while True:
-                if _try_lock(fd, fcntl.LOCK_SH) and (path / READY).is_file():
+                if _try_lock(fd, fcntl.LOCK_SH) and self._ready(key):
                     (self.root / f"{key}.used").touch()
                     output(f"[trainjobs] requirements: reusing environment {key[:12]} on this machine "
                            f"({len(requirements)} requirement(s)); nothing to install\n".encode())
                     return Env(key, path, reused=True, _lock_fd=fd)
                 if _try_lock(fd, fcntl.LOCK_EX):
-                    if (path / READY).is_file():  # built meanwhile by the attempt we waited for
+                    if self._ready(key):  # built meanwhile by the attempt we waited for
                         continue
                     self._build(key, path, requirements, output=output, tick=tick, timeout_s=timeout_s,
-                                base_env=base_env)
+                                base_env=base_env, settings=settings, job_id=job_id)
                     fcntl.flock(fd, fcntl.LOCK_SH)  # EX → SH: others may use it now
                     self.evict(keep=key)
                     return Env(key, path, reused=False, _lock_fd=fd)
@@ -121,11 +132,25 @@ class EnvCache:
             os.close(fd)
             raise
 
+    def _ready(self, key: str) -> bool:
+        return (self.root / f"{key}{READY}").is_file()
+
     def _build(self, key: str, path: Path, requirements: list[str], *, output, tick, timeout_s: float,
-               base_env: dict[str, str]) -> None:
+               base_env: dict[str, str], settings: Settings, job_id: str) -> None:
+        for line in requirements:  # the worker's own check too: a requirements file is read only here
+            if problem := requirement_problem(line) or (
+                    direct_reference(line) and not settings.allow_direct_urls
+                    and "a direct URL reference: this worker installs from its package index only "
+                        "(TRAINJOBS_ALLOW_DIRECT_URLS allows them)"):
+                raise RequirementsFailed(f"requirement {line!r}: {problem}")
         shutil.rmtree(path, ignore_errors=True)  # an earlier build that died half-way
+        (self.root / f"{key}{READY}").unlink(missing_ok=True)
         started = time.monotonic()
-        output(f"[trainjobs] requirements: building environment {key[:12]} on this machine: "
+        support = sandbox.for_worker(settings)
+        uid = sandbox.job_uid(settings, job_id) if support.on and support.own_uid else None
+        where = (f"in the sandbox as uid {uid}" if uid is not None else "in the sandbox" if support.on
+                 else "unsandboxed (TRAINJOBS_SANDBOX=off)")
+        output(f"[trainjobs] requirements: building environment {key[:12]} on this machine {where}: "
                f"{', '.join(requirements)}\n".encode())
         venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(path)
         site_packages = Path(sysconfig.get_path("purelib", vars={"base": str(path), "platbase": str(path)}))
@@ -136,17 +161,57 @@ class EnvCache:
         constraints = path / "constraints.txt"
         constraints.write_text(f"torch=={v}\n" if (v := torch_version()) else "")
         argv = [str(path / "bin" / "python"), "-m", "pip", "install", "--no-input", "--disable-pip-version-check",
-                "--progress-bar", "off", "-c", str(constraints), "-r", str(path / "requirements.txt")]
+                "--progress-bar", "off", "--prefer-binary", "-c", str(constraints), "-r",
+                str(path / "requirements.txt")]
         env = {**base_env, "PYTHONUNBUFFERED": "1", "PIP_NO_INPUT": "1"}
         env.pop("PYTHONPATH", None)
+        box = None
+        try:
+            if uid is not None:
+                build_sandbox.hand_to(path, uid)
+            if support.on:
+                box = build_sandbox.Build(support, settings, env_dir=path, uid=uid, requirements=requirements,
+                                          name=key[:12])
+                argv, env = box.command([*argv, "--no-cache-dir"]), box.env
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        with box or nullcontext():
+            code, tail = self._run_pip(argv, env, path, box, output=output, tick=tick, timeout_s=timeout_s,
+                                       started=started)
+        if uid is not None:
+            build_sandbox.take_back(path)  # before any job uses it: root's, read-only to every job
+        if code != 0:
+            shutil.rmtree(path, ignore_errors=True)
+            raise RequirementsFailed(f"pip could not install the requirements (exit {code}): {pip_error(tail)}")
+        size = sum(p.lstat().st_size for p in path.rglob("*"))
+        (self.root / f"{key}.bytes").write_text(str(size))
+        (self.root / f"{key}.used").touch()
+        (self.root / f"{key}{READY}").write_text(f"{time.time()}\n")
+        output(f"[trainjobs] requirements: environment {key[:12]} ready in {time.monotonic() - started:.1f}s\n"
+               .encode())
+
+    @staticmethod
+    def _run_pip(argv, env, path: Path, box, *, output, tick, timeout_s: float, started: float) -> tuple[int, bytes]:
+        """pip's exit code and the end of its output; its output shipped, and stopped on tick() or the timeout."""
         proc = subprocess.Popen(argv, env=env, cwd=path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=box.preexec if box is not None else None)
         pump, tail = OutputPump(proc.stdout.fileno()), b""
+
+        def ship() -> None:
+            nonlocal tail
+            data = pump.take()
+            if box is not None:  # what the proxy refused, said in the job's log
+                while box.proxy.refused:
+                    data += f"[trainjobs] requirements: the build's proxy refused {box.proxy.refused.popleft()}\n" \
+                        .encode()
+            tail = (tail + data)[-8192:]
+            output(data)
+
         try:
             while (code := proc.poll()) is None:
-                data = pump.take()
-                tail = (tail + data)[-8192:]
-                output(data)
+                ship()
                 if tick():
                     _stop(proc)
                     raise BuildStopped("stopped while pip installed the requirements")
@@ -156,23 +221,13 @@ class EnvCache:
                                              "(TRAINJOBS_PIP_TIMEOUT_S) and was stopped")
                 time.sleep(POLL_S)
             pump.wait_closed(5.0, POLL_S, lambda: None)
-            data = pump.take()
-            tail = (tail + data)[-8192:]
-            output(data)
+            ship()
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
         finally:
             proc.stdout.close()
-        if code != 0:
-            shutil.rmtree(path, ignore_errors=True)
-            raise RequirementsFailed(f"pip could not install the requirements (exit {code}): {pip_error(tail)}")
-        size = sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() or p.is_symlink())
-        (self.root / f"{key}.bytes").write_text(str(size))
-        (self.root / f"{key}.used").touch()
-        (path / READY).write_text(f"{time.time()}\n")
-        output(f"[trainjobs] requirements: environment {key[:12]} ready in {time.monotonic() - started:.1f}s\n"
-               .encode())
+        return code, tail
 
     def evict(self, keep: str | None = None) -> list[str]:
         """Drop the least recently used envs no attempt holds until the cache fits its limit."""
@@ -186,6 +241,7 @@ class EnvCache:
         try:
             if not _try_lock(fd, fcntl.LOCK_EX):
                 return False  # a running attempt holds it
+            (self.root / f"{key}{READY}").unlink(missing_ok=True)
             shutil.rmtree(self.root / key, ignore_errors=True)
             return True
         finally:

@@ -240,7 +240,7 @@ class Supervisor:
             return self._stop_reason() is not None
 
         return cache.acquire(requirements, output=self.logs.stage, tick=tick, timeout_s=self.settings.pip_timeout_s,
-                             base_env=launch.default_env())
+                             base_env=launch.default_env(), settings=self.settings, job_id=self.job_id)
 
     def _stop_reason(self) -> str | None:
         """Why an attempt that has not launched its ranks yet must stop, if it must."""

@@ -29,7 +29,7 @@ from service.storage import Store, artifact_key, open_store
 from service.storage.store import manifest_key
 from service.workers import service as worker_rows
 from trainjobs import paths
-from trainjobs.spec import JobSpec
+from trainjobs.spec import JobSpec, direct_reference
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ def check_own(db: Session, s: Submission, *, settings: Settings) -> None:
     spec = s.spec
     if spec.entrypoint is not None and spec.entrypoint.package is not None:  # the owner's own, or a 404
         packages.get(db, owner=s.principal.user, digest=spec.entrypoint.package, field="entrypoint.package")
+    check_requirements(spec, settings=settings)
     check_gang(db, spec, principal=s.principal, settings=settings)
     service.check_inputs(spec, data_dir=settings.data_dir, hidden=settings.service_paths)
     if spec.init_from is not None:
@@ -145,6 +146,7 @@ def check(spec: JobSpec, *, db: Session, settings: Settings, principal: Principa
     service refuses costs no upload. Not looked at: its package (uploaded once the spec passes), the submission
     rate and the quota (a submission's). Returns the spec as a job would run it ("auto" resolved)."""
     check_rights(principal, spec)
+    check_requirements(spec, settings=settings)
     check_gang(db, spec, principal=principal, settings=settings)
     service.check_inputs(spec, data_dir=settings.data_dir, hidden=settings.service_paths)
     if spec.init_from is not None:
@@ -192,3 +194,17 @@ def stored_weights(store: Store, job_id: str, checkpoint: str) -> bool:
     if checkpoint == "final":
         return store.head(artifact_key(job_id, paths.MODEL_FILE)) is not None
     return any(o.key.endswith(".json") for o in store.list(manifest_key(job_id)))
+
+
+def check_requirements(spec: JobSpec, *, settings: Settings) -> None:
+    """A requirement that names where pip fetches it (`name @ https://...`) only where the operator allows it
+    (TRAINJOBS_ALLOW_DIRECT_URLS): else a job would choose what its build reaches. A requirements file in a
+    package is checked by the worker, which reads it."""
+    requirements = spec.entrypoint.requirements if spec.entrypoint is not None else None
+    if settings.allow_direct_urls or not isinstance(requirements, list):
+        return
+    for i, line in enumerate(requirements):
+        if direct_reference(line):
+            raise InvalidRequest(f"entrypoint.requirements[{i}] {line!r} is a direct URL reference: this service "
+                                 "installs requirements from its package index only (an operator may allow them "
+                                 "with TRAINJOBS_ALLOW_DIRECT_URLS)", field=f"entrypoint.requirements[{i}]")
