@@ -11,12 +11,14 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from service.settings import Settings
-from worker import build_sandbox, sandbox
+from worker import build_sandbox, environments, launch, sandbox
 
 pytestmark = pytest.mark.skipif(sandbox.detect(Settings()).bwrap is None, reason="no sandbox on this machine")
 
@@ -187,3 +189,23 @@ def test_a_worker_that_is_not_root_builds_in_a_user_namespace_seeing_only_its_en
         assert "in the sandbox:" in done.stderr and "as uid" not in done.stderr
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_build_past_its_timeout_is_stopped_with_everything_it_started(tmp_path, monkeypatch):
+    """TRAINJOBS_PIP_TIMEOUT_S still holds with pip in the sandbox: the sleeping backend, pip and bwrap end."""
+    index = make_index(tmp_path / "index", {"sleeppkg": {"sleep": 120, "ports": [], "read": []}})
+    monkeypatch.setenv("PIP_INDEX_URL", "file:///nonexistent/simple")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", index)
+    settings = Settings(data_dir=tmp_path / "data")
+    envs = tmp_path / "data" / "envs"
+    cache = environments.EnvCache(envs, max_bytes=2**30)
+    lines: list[bytes] = []
+    started = time.monotonic()
+    with pytest.raises(environments.RequirementsFailed, match="ran past 4s"):
+        cache.acquire(["sleeppkg"], output=lines.append, tick=lambda: False, timeout_s=4,
+                      base_env=launch.default_env(), settings=settings, job_id="k" * 20)
+    assert time.monotonic() - started < 20
+    assert b"in the sandbox" in b"".join(lines)
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(envs) in " ".join(p.info["cmdline"] or [])]
+    assert not [p for p in left if p.status() != psutil.STATUS_ZOMBIE], left
+    assert not any(envs.glob("*/")), list(envs.iterdir())  # the half-built env is gone
