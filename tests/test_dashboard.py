@@ -423,3 +423,42 @@ def test_a_job_page_charts_each_ranks_step_time_and_cpu_and_shows_an_idle_warnin
     expect(page.locator("#usage-caption")).to_have_text("CPU use per rank (% of a core)")
     expect(page.locator("#job-warnings li")).to_have_text(["idle: every rank's CPU use stayed low"])
     api.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def test_without_a_token_the_banner_names_the_admin_token_file_and_trainjobs_login(browser, stack):
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        page.goto(f"{stack.api_url}/")
+        expect(page.locator("#token-form.needed")).to_be_visible()
+        expect(page.locator("#banner")).to_contain_text("trainjobs-data-secrets/admin.token")
+        expect(page.locator("#banner")).to_contain_text("trainjobs login")
+    finally:
+        context.close()
+
+
+def test_a_job_that_reports_no_steps_shows_no_step_bar_and_says_how_to_report(page, api, postgres_url):
+    """A script of one's own that never calls trainjobs.report(): no full green "step 0" bar, no "no data yet"
+    for ever, but a line saying how to report steps."""
+    from service.jobs import lifecycle
+    from trainjobs.states import JobStatus
+
+    nowhere = {"nnodes": 1, "nproc_per_node": 1, "device": "cpu", "selector": {"pool": "nowhere"}}
+    job_id = api.post("/v1/jobs", json=mlp_spec(name="dash-no-steps", resources=nowhere),
+                      params={"allow_unschedulable": "true"}).json()["id"]  # no worker takes it: moved by hand
+    engine = create_engine(postgres_url)
+    with Session(engine) as db:
+        for to, values in ((JobStatus.STARTING, {"attempt": 1, "started_at": utcnow()}),
+                           (JobStatus.RUNNING, {"progress": {"step": 0, "total_steps": None}}),
+                           (JobStatus.SUCCEEDED, {"finished_at": utcnow()})):
+            assert lifecycle.transition(db, job_id=job_id, to=to, values=values)
+            db.commit()
+    engine.dispose()
+    expect(page.locator(f"#jobs-table tr[data-job='{job_id}']")).to_contain_text("no steps reported")
+    expect(page.locator(f"#jobs-table tr[data-job='{job_id}'] .progress")).to_have_count(0)
+    page.evaluate(f"location.hash = '#/jobs/{job_id}'")
+    expect(page.locator("#job-name")).to_have_text("dash-no-steps")
+    expect(page.locator("#job-no-steps")).to_contain_text("This job reported no steps")
+    expect(page.locator("#job-no-steps")).to_contain_text("trainjobs.report(step, loss=..., total_steps=N)")
+    expect(page.locator("#job-progress-box")).to_be_hidden()
+    expect(page.locator("#chart-loss text.empty")).to_have_text("none reported")

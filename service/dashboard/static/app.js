@@ -45,6 +45,10 @@ function bytes(n) {
 }
 
 // ---- The API: every call carries the stored token; a 401 asks for one.
+// Where a newcomer finds a token: the file `trainjobs up` wrote beside its data folder (default ./trainjobs-data).
+const TOKEN_HINT = "paste a token above: the admin token is in trainjobs-data-secrets/admin.token, beside the " +
+  "trainjobs-data folder where `trainjobs up` ran (or the token you gave `trainjobs login`; an admin makes one " +
+  "per user with `trainjobs token create NAME`)";
 class ApiError extends Error {
   constructor(status, message) { super(message); this.status = status; }
 }
@@ -59,7 +63,7 @@ async function api(path, { method = "GET", headers = {}, signal } = {}) {
   const token = localStorage.getItem(TOKEN_KEY);
   if (token) headers = { ...headers, Authorization: `Bearer ${token}` };
   const r = await fetch(path, { method, headers, signal, cache: "no-store" });
-  if (r.status === 401) { showToken(true); throw new ApiError(401, `${await detailOf(r)}: enter a token above`); }
+  if (r.status === 401) { showToken(true); throw new ApiError(401, `${await detailOf(r)}: ${TOKEN_HINT}`); }
   if (!r.ok && r.status !== 304) throw new ApiError(r.status, await detailOf(r));
   return r;
 }
@@ -164,7 +168,16 @@ function progressFraction(job) {
   if (p.total_steps) return Math.min(1, p.step / p.total_steps);
   return job.status === "succeeded" ? 1 : 0;
 }
+// A script of the user's own that never calls trainjobs.report(): no steps, no total, so no bar to fill (a full
+// green "step 0" read as if the script had done nothing) and no series to chart.
+function reportsNoSteps(job) {
+  const p = job.progress || {};
+  return !p.total_steps && !p.step;
+}
+const HOW_TO_REPORT = "to report them, call trainjobs.report(step, loss=..., total_steps=N) in the script " +
+  "(docs: getting-started/own-script)";
 function progressBar(job) {
+  if (reportsNoSteps(job)) return el("span", { cls: "muted", title: HOW_TO_REPORT }, "no steps reported");
   const fill = el("div", { cls: `fill ${job.status}`, style: `width:${(progressFraction(job) * 100).toFixed(1)}%` });
   return el("div", { cls: "progress" }, fill, el("span", {}, progressText(job)));
 }
@@ -307,12 +320,14 @@ function mergeSeries(series, incoming) {
 // zero: the y axis starts at 0 (throughput, memory), so noise does not look like a trend. A line's colour is
 // its `color` (0..9: the compare view keeps a job's colour while another job has no points), else its place.
 // legend: false when the caller draws its own (the compare view's names are too long for the chart's corner).
-function drawChart(node, lines, { zero = false, width: W = 360, height: H = 170, legend = true } = {}) {
+// empty: what a chart without a point says ("no data yet" while the job may still report).
+function drawChart(node, lines, { zero = false, width: W = 360, height: H = 170, legend = true,
+  empty = "no data yet" } = {}) {
   const L = 52, R = 10, T = 12, B = 22;
   node.setAttribute("viewBox", `0 0 ${W} ${H}`);
   node.replaceChildren();
   const drawn = lines.filter((l) => l.steps.length);
-  if (!drawn.length) { node.append(svg("text", { x: W / 2, y: H / 2, class: "empty" }, "no data yet")); return; }
+  if (!drawn.length) { node.append(svg("text", { x: W / 2, y: H / 2, class: "empty" }, empty)); return; }
   const xs = drawn.flatMap((l) => [l.steps[0], l.steps.at(-1)]), ys = drawn.flatMap((l) => l.values);
   let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
   if (zero) y0 = Math.min(0, y0);
@@ -338,21 +353,23 @@ function drawChart(node, lines, { zero = false, width: W = 360, height: H = 170,
   });
 }
 // nodes: a gang's other nodes' peak memory (node rank → series), one line each beside node 0's.
-function drawCharts(series, nodes = new Map()) {
+// ended: the job has ended, so a chart with no point will get none ("none reported", not "no data yet").
+function drawCharts(series, nodes = new Map(), ended = false) {
   const get = (name) => ({ name, ...(series.get(name) || { steps: [], values: [] }) });
-  drawChart($("chart-loss"), [get("loss"), get("eval_loss")]);
+  const empty = ended ? "none reported" : "no data yet";
+  drawChart($("chart-loss"), [get("loss"), get("eval_loss")], { empty });
   const rate = series.has("tokens_per_s") ? "tokens_per_s" : "samples_per_s";
   $("throughput-caption").textContent = rate.replaceAll("_", " ").replace(" per s", "/s");
-  drawChart($("chart-throughput"), [get(rate)], { zero: true });
+  drawChart($("chart-throughput"), [get(rate)], { zero: true, empty });
   const memory = [{ ...get("peak_mem_mb"), name: nodes.size ? "node 0" : "peak_mem_mb" }];
   for (const [rank, s] of nodes) memory.push({ ...s, name: `node ${rank}` });
-  drawChart($("chart-memory"), memory, { zero: true });
+  drawChart($("chart-memory"), memory, { zero: true, empty });
   // Each rank's own step time (step_time_s/rank<r>, stragglers) and use of its device: a line per rank.
   const ranks = perRank(series, "step_time_s/rank").map((l) => ({ ...l, values: l.values.map((v) => v * 1000) }));
-  drawChart($("chart-ranks"), ranks, { zero: true });
+  drawChart($("chart-ranks"), ranks, { zero: true, empty });
   const gpu = series.has("gpu_util");
   $("usage-caption").textContent = gpu ? "GPU utilisation (%)" : "CPU use per rank (% of a core)";
-  drawChart($("chart-usage"), gpu ? [get("gpu_util")] : perRank(series, "cpu_util/rank"), { zero: true });
+  drawChart($("chart-usage"), gpu ? [get("gpu_util")] : perRank(series, "cpu_util/rank"), { zero: true, empty });
 }
 // The series `<prefix><rank>` as lines named "rank r": with many ranks, the MAX_RANK_LINES highest at their
 // last point (for step time, the slowest ranks), in rank order.
@@ -403,14 +420,17 @@ function jobView(id) {
   const redraw = () => {
     if (drawQueued) return;
     drawQueued = true;
-    requestAnimationFrame(() => { drawQueued = false; drawCharts(series, nodes); });
+    requestAnimationFrame(() => {
+      drawQueued = false;
+      drawCharts(series, nodes, Boolean(job) && TERMINAL.has(job.status));
+    });
   };
   let jobReadAt = Date.now();
   const refreshJob = async () => {
     const { body, changed } = await getJson(base);
     const first = job === null; // a 304 on the first read (another view read it): still this view's first render
     job = body;
-    if (changed || first) renderJob(body);
+    if (changed || first) { renderJob(body); redraw(); } // an ended job's empty charts say so
   };
   const refreshAttempts = async () => renderAttempts((await (await api(`${base}/attempts`)).json()).items);
   let streamFrom = null; // the metrics answer's cursor: the stream then sends only newer points
@@ -482,6 +502,11 @@ function appendLog(text) {
   if (atBottom) pre.scrollTop = pre.scrollHeight;
 }
 function renderProgress(job) {
+  const none = reportsNoSteps(job);
+  $("job-progress-box").hidden = none;
+  $("job-no-steps").hidden = !none;
+  $("job-no-steps").textContent = none ? `${TERMINAL.has(job.status) ? "This job reported" : "No"} no steps` +
+    `${TERMINAL.has(job.status) ? "" : " reported yet"}, so there is no step bar or chart: ${HOW_TO_REPORT}.` : "";
   $("job-bar").className = `fill ${job.status}`;
   $("job-bar").style.width = `${(progressFraction(job) * 100).toFixed(1)}%`;
   $("job-progress").textContent = progressText(job);
