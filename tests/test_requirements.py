@@ -61,11 +61,13 @@ summary(ok=True)
 def stack(postgres_url, tmp_path_factory):
     root = tmp_path_factory.mktemp("requirements")
     data = root / "data"
-    secrets = Settings(data_dir=data).resolved_secrets_dir
+    token = Settings(data_dir=data).admin_token_file
+    secrets = token.parent
     ports = [urlsplit(REDIS_URL).port or 6379, urlsplit(postgres_url).port or 5432]
     index = make_index(root / "index", {
-        "hostilepkg": {"list": [str(secrets), str(data), str(data / "envs")], "read": [str(data / "trainjobs.db")],
-                       "ports": ports, "through_proxy": [f"127.0.0.1:{p}" for p in ports] + ["example.com:443"]},
+        "hostilepkg": {"list": [str(secrets), str(data), str(data / "envs")],
+                       "read": [str(token), str(data / "trainjobs.db")], "ports": ports,
+                       "through_proxy": [f"127.0.0.1:{p}" for p in ports] + ["example.com:443"]},
         "slowpkg": {"sleep": 120, "ports": [], "read": []}})
     # The workers' pip (its configuration and PIP_* variables, as an operator sets them) gets the local index too.
     before = os.environ.get("PIP_EXTRA_INDEX_URL")
@@ -197,6 +199,8 @@ def test_a_hostile_build_backend_runs_as_the_jobs_uid_reads_nothing_and_reaches_
     found = json.loads(log.split("FINDINGS ", 1)[1].splitlines()[0])
     if os.geteuid() == 0:  # a root worker: the build ran as the job's own uid
         assert found["uid"] == sandbox.job_uid(stack.settings, job_id) != 0, found
+    assert stack.settings.admin_token_file.is_file()  # there on the host, holding the admin's token
+    assert found[f"read {stack.settings.admin_token_file}"] == "FileNotFoundError", found
     assert found[f"list {stack.settings.resolved_secrets_dir}"] == "FileNotFoundError", found
     assert found[f"list {data}"] == ["envs"], found  # the data dir holds only the env being built
     assert len(found[f"list {data / 'envs'}"]) == 1, found

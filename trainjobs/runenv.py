@@ -32,6 +32,10 @@ RESERVED_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
     "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+    # glibc's own list of variables it ignores in a privileged process (UNSECURE_ENVVARS): they load code or read
+    # files by path (GCONV_PATH loads a module at the first iconv, GLIBC_TUNABLES had CVE-2023-4911)
+    "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE", "NIS_PATH",
+    "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR",
 })
 
 

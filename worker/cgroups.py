@@ -11,6 +11,7 @@ Where that fails the worker says so (no cgroup limits) and the PID namespace sti
 
 import logging
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -19,6 +20,49 @@ log = logging.getLogger(__name__)
 ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids")  # needed; cpuset is used where it is there
 PARENT = "trainjobs"
+PID_MAX = Path("/proc/sys/kernel/pid_max")
+PIDS_SHARE = 8  # an attempt's default pids.max: this share of the host's and of the worker's cgroup's (or lanes')
+PIDS_FLOOR = 1024  # ... but never fewer: torchrun, 8 ranks' threads and their data loaders
+
+
+def new_name() -> str:
+    """An attempt's cgroup name: random, so the tree names no job (which job it holds is the worker's to know,
+    in its log and its Box), then the work-horse's pid, by which sweep_stale finds the left-over ones."""
+    return f"a{secrets.token_hex(8)}-{os.getpid()}"
+
+
+def default_pids_max(lanes: int = 1) -> int:
+    """An attempt's processes and threads, sized to the host: 1/max(PIDS_SHARE, lanes) of kernel.pid_max and of
+    the worker's own cgroup's pids.max where an ancestor caps it, at least PIDS_FLOOR. A fixed 16,384 on a host
+    whose pid_max is 32,768 let two attempts take every pid of the host."""
+    share = max(PIDS_SHARE, lanes)
+    caps = [_read_int(PID_MAX)]
+    caps += [_read_int(d / "pids.max") for d in _own_pids_cgroups()]
+    capped = [c for c in caps if c is not None]
+    return max(PIDS_FLOOR, min(capped) // share) if capped else PIDS_FLOOR * 16
+
+
+def _own_pids_cgroups() -> list[Path]:
+    """The worker's pids cgroup and its ancestors (below the root, which has no pids.max)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if version() == "v2" and controllers == "" or version() == "v1" and "pids" in controllers.split(","):
+            base = ROOT if version() == "v2" else ROOT / controllers
+            own = base / path.lstrip("/")
+            return [own, *(p for p in own.parents if p.is_relative_to(base) and p != base)]
+    return []
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no cap
 
 
 def detect() -> str | None:

@@ -12,12 +12,15 @@ network namespaces without a daemon, and as an unprivileged user (so a worker ne
   kills everything left in the namespace, a double-forked daemon and a fork bomb included. --die-with-parent
   ends it when the supervisor dies, even SIGKILLed.
 - **network**: a single-node job gets a namespace of its own with loopback alone (TRAINJOBS_JOB_NETWORK=1 lets it
-  out); a gang shares the host's network, since its nodes must reach each other.
+  out); a gang shares the host's network, since its nodes must reach each other: a right an admin grants per
+  user (users.multinode, service/jobs/admission.py), and the worker's labels say so (sandbox-gang-net: host).
+- **/sys** read-only but /sys/fs/cgroup (an empty tmpfs: the tree names every attempt); cgroups named opaquely.
 - **uid**: a worker running as root runs bwrap (it can then bind what root can read) and drops the job to a uid
   of its own inside (setpriv: base + a hash of the job id, the same on every attempt and node, so its
   checkpoints stay its own); a worker that is not root runs the job in a user namespace as its own uid, which
   cannot reach another job's folders because they are not mounted.
-- the **environment** is an allow-list (job_env), not the worker's less a deny-list.
+- the **environment** is an allow-list (job_env), not the worker's less a deny-list; bwrap and setpriv themselves
+  start on LAUNCH_ENV, and the job's variables are handed through --setenv.
 """
 
 import logging
@@ -36,18 +39,24 @@ import trainjobs
 import worker
 from service.settings import Settings
 from service.workers.fit import RESERVED_LABEL_PREFIX
+from trainjobs import paths
+from trainjobs.runenv import RUN_TAG_ENV
 from worker import cgroups
 
 log = logging.getLogger(__name__)
 SANDBOX_LABEL = f"{RESERVED_LABEL_PREFIX}sandbox"  # "on" | "off": what a spec's selector may require
 REDIS_AUTH_LABEL = f"{RESERVED_LABEL_PREFIX}redis-auth"  # "password" | "none": whether its Redis asks for one
+# What a multi-node gang's ranks share: "host" (its hosts' network; only users granted multinode run one, issue 41).
+# A worker that one day gives each gang a network of its own says "private", and a selector may ask for that.
+GANG_NET_LABEL = f"{SANDBOX_LABEL}-gang-net"
+# bwrap's own environment (root, before it drops): the job's variables are handed through --setenv.
+LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 # The worker's own variables a job gets (besides the run's, the spec's env and TRAINJOBS_JOB_ENV's).
 # The operator's configuration of the machine's devices, network interfaces and threads is the job's too.
 BASIC_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "LC_*", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_*",
              "NCCL_*", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # Folders and files of the service that live in the data dir, hidden from a job that is shown the data dir.
-SERVICE_OWNED = ("runs", "storage", "envs", "package-cache", "redis", "packages", "trainjobs.db",
-                 "trainjobs.db-wal", "trainjobs.db-shm", "trainjobs.db-journal")
+SERVICE_OWNED = paths.SERVICE_OWNED
 GPU_SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 SETPRIV = "/usr/bin/setpriv"
 GANG_INIT = Path(__file__).with_name("gang_init.py")
@@ -74,9 +83,10 @@ class Support:
 
     def labels(self) -> dict[str, str]:
         if not self.on:
-            return {SANDBOX_LABEL: "off"}
+            return {SANDBOX_LABEL: "off", GANG_NET_LABEL: "host"}
         return {SANDBOX_LABEL: "on", f"{SANDBOX_LABEL}-uid": "own" if self.own_uid else "worker's",
-                f"{SANDBOX_LABEL}-cgroup": self.cgroup or "none", f"{SANDBOX_LABEL}-net": self.network}
+                f"{SANDBOX_LABEL}-cgroup": self.cgroup or "none", f"{SANDBOX_LABEL}-net": self.network,
+                GANG_NET_LABEL: "host"}
 
     def describe(self) -> str:
         if not self.on:
@@ -169,8 +179,10 @@ def _namespace_args(*, root: bool, network: bool) -> list[str]:
     return args
 
 
-def command(support: Support, settings: Settings, attempt: Attempt, argv: list[str]) -> list[str]:
-    """bwrap's command line around `argv` (torchrun), for this attempt."""
+def command(support: Support, settings: Settings, attempt: Attempt, argv: list[str],
+            env: dict[str, str] | None = None) -> list[str]:
+    """bwrap's command line around `argv` (torchrun), for this attempt; `env`, the job's variables, handed through
+    (--clearenv, --setenv), so that bwrap and setpriv, root, start on LAUNCH_ENV and not on what a spec set."""
     network = attempt.gang or support.network == "host"
     # The private /tmp first: the data dir (or a job's venv in it) may lie under /tmp, and a later mount would
     # hide it; the Python last: a job's venv lies in the data dir's envs/, which the data dir's mounts leave out.
@@ -185,6 +197,10 @@ def command(support: Support, settings: Settings, attempt: Attempt, argv: list[s
             mounts += ["--dev-bind", device, device]
     args = [support.bwrap, *_namespace_args(root=support.own_uid, network=network), *with_parents(mounts)]
     args += ["--chdir", str(attempt.cwd or attempt.run_dir)]
+    if env is not None:
+        args.append("--clearenv")
+        for name, value in env.items():
+            args += ["--setenv", name, value]
     if support.own_uid:
         uid = job_uid(settings, attempt.job_id)
         # init_from's weights are another job's files (0640, that job's group): the group is lent, read-only.
@@ -244,7 +260,9 @@ def with_parents(mounts: list[str]) -> list[str]:
 def _system_mounts() -> list[str]:
     args = ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
     if os.path.isdir("/sys"):
-        args += ["--ro-bind", "/sys", "/sys"]  # CPU and GPU topology (NCCL, torch); no secrets there
+        args += ["--ro-bind", "/sys", "/sys"]  # CPU and GPU topology, /sys/class, /sys/bus/pci (NCCL, torch)
+        if os.path.isdir("/sys/fs/cgroup"):  # every attempt's cgroup, its memory and CPU: none of the job's business
+            args += ["--tmpfs", "/sys/fs/cgroup"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
             args += ["--symlink", os.readlink(top), top]
@@ -285,8 +303,7 @@ def _python_paths(python: str) -> list[str]:
 def _data_mounts(settings: Settings, attempt: Attempt) -> list[str]:
     """The data dir's datasets read-only (not the service's own parts of it), then the job's folders."""
     data = settings.data_dir.resolve()
-    database = Path(settings.resolved_database_url.removeprefix("sqlite:///"))
-    hidden = {data / name for name in SERVICE_OWNED} | {database, settings.resolved_secrets_dir}
+    hidden = settings.service_paths
     args = _contents(data, skip=hidden)
     if attempt.scripts_dir.is_dir() and not attempt.scripts_dir.is_relative_to(data):
         args += _contents(attempt.scripts_dir, skip=hidden)
@@ -385,9 +402,11 @@ class Box:
         self.memory_bytes = settings.job_memory_bytes or memory_bytes
         if support.cgroup:
             cgroups.sweep_stale()  # an earlier attempt's, whose work-horse was killed before it removed its own
-            group = cgroups.Attempt(f"{attempt.job_id}-{attempt.run_dir.name}-{os.getpid()}")
+            group = cgroups.Attempt(cgroups.new_name())  # opaque: a job that saw the tree learns no job id from it
+            log.info("attempt %s of job %s: cgroup %s", attempt.run_dir.name, attempt.job_id, group.name)
+            pids_max = settings.job_pids_max or cgroups.default_pids_max(settings.worker_max_jobs)
             try:
-                group.create(memory_bytes=self.memory_bytes, pids_max=settings.job_pids_max, cpus=cpus)
+                group.create(memory_bytes=self.memory_bytes, pids_max=pids_max, cpus=cpus)
                 self.cgroup = group
             except OSError:
                 log.exception("could not make the cgroup of %s; running it without limits", attempt.job_id)
@@ -406,7 +425,9 @@ class Box:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback is all there is: gloo and NCCL must bind it
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         hand_over(self.support, self.settings, self.attempt)
-        return command(self.support, self.settings, self.attempt, argv), env
+        # bwrap keeps the run tag: the worker finds an attempt's processes by it (worker/processes.py), bwrap too.
+        tag = {RUN_TAG_ENV: env[RUN_TAG_ENV]} if RUN_TAG_ENV in env else {}
+        return command(self.support, self.settings, self.attempt, argv, env), {**LAUNCH_ENV, **tag}
 
     def preexec(self) -> None:
         """In the forked child, before it execs bwrap: every process of the attempt starts in the cgroup."""
