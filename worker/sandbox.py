@@ -27,16 +27,18 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
 
 import trainjobs
 import worker
+from service import jobfiles
 from service.settings import Settings
 from service.workers.fit import RESERVED_LABEL_PREFIX
 from trainjobs import paths
@@ -163,7 +165,9 @@ class Attempt:
     data_dir: Path
     scripts_dir: Path
     cwd: Path | None = None  # where the ranks start (the package's copy, or the run dir)
-    init_from: Path | None = None
+    init_from: Path | None = None  # where the ranks find init_from's weights (INIT_FROM_ENV)
+    init_job: str | None = None  # whose they are: spec.init_from.job, as admission checked it
+    init_fd: int | None = None  # the weights opened by lend_init_source: what is mounted at init_from
     devices: tuple[str, ...] = ()  # device nodes besides the basics (the job's GPUs)
     gang: bool = False
     node_rank: int = 0
@@ -203,9 +207,9 @@ def command(support: Support, settings: Settings, attempt: Attempt, argv: list[s
             args += ["--setenv", name, value]
     if support.own_uid:
         uid = job_uid(settings, attempt.job_id)
-        # init_from's weights are another job's files (0640, that job's group): the group is lent, read-only.
-        source = _source_job(settings, attempt.init_from)
-        groups = f"--groups={job_uid(settings, source)}" if source else "--clear-groups"
+        # init_from's weights are another job's files (0640, that job's group): the group is lent, read-only. Whose
+        # group is the spec's init_from.job (admission checked the owner may read it), never where a path leads.
+        groups = f"--groups={job_uid(settings, attempt.init_job)}" if attempt.init_job else "--clear-groups"
         args += ["--", SETPRIV, f"--reuid={uid}", f"--regid={uid}", groups, "--inh-caps=-all",
                  "--bounding-set=-all", "--no-new-privs"]
     if attempt.gang:
@@ -213,16 +217,27 @@ def command(support: Support, settings: Settings, attempt: Attempt, argv: list[s
     return [*args, "--", *argv]
 
 
-def _source_job(settings: Settings, init_from: Path | None) -> str | None:
-    """The job whose folder init_from lies in (storage/jobs/<id>/...), if any."""
-    jobs = settings.resolved_storage_dir / "jobs"
-    if init_from is None or not init_from.resolve().is_relative_to(jobs):
-        return None
-    return init_from.resolve().relative_to(jobs).parts[0]
+def lend_init_source(support: Support, settings: Settings, job_id: str, source: Path) -> int:
+    """A descriptor of init_from's weights (job_id's model.pt, or its checkpoint folder), opened as
+    service/jobfiles.py opens a job's files: a link, a FIFO or a file not of that job is Refused, naming it. The
+    sandbox mounts this descriptor (--ro-bind-fd), so what the job gets is what was checked."""
+    folder = paths.job_dir(settings.resolved_storage_dir, job_id)
+    rel = source.relative_to(folder)
+    want_folder = rel.parts[0] == paths.CHECKPOINTS
+    owners = jobfiles.owners_of(job_uid(settings, job_id) if support.own_uid else None)
+    top = jobfiles.open_folder(folder)
+    try:
+        fd = jobfiles.open_beneath(top, rel, folder=want_folder, owners=owners)
+    finally:
+        os.close(top)
+    if not want_folder and not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise jobfiles.Refused(rel.as_posix(), "is not a regular file")
+    return fd
 
 
-ARITY = {"--ro-bind": 2, "--bind": 2, "--dev-bind": 2, "--symlink": 2, "--tmpfs": 1, "--proc": 1, "--dev": 1,
-         "--dir": 1, "--perms": 1}
+ARITY = {"--ro-bind": 2, "--ro-bind-fd": 2, "--bind": 2, "--dev-bind": 2, "--symlink": 2, "--tmpfs": 1, "--proc": 1,
+         "--dev": 1, "--dir": 1, "--perms": 1}
 
 
 def with_parents(mounts: list[str]) -> list[str]:
@@ -312,8 +327,8 @@ def _data_mounts(settings: Settings, attempt: Attempt) -> list[str]:
     args += ["--ro-bind", str(job_dir), str(job_dir)]
     for sub in ("checkpoints", "artifacts"):
         args += ["--bind", str(job_dir / sub), str(job_dir / sub)]
-    if attempt.init_from is not None and attempt.init_from.exists():
-        args += ["--ro-bind", str(attempt.init_from), str(attempt.init_from)]
+    if attempt.init_from is not None and attempt.init_fd is not None:  # what was checked, not a name again
+        args += ["--ro-bind-fd", str(attempt.init_fd), str(attempt.init_from)]
     return args
 
 
@@ -399,6 +414,7 @@ class Box:
                  cpus: list[int] | None = None):
         self.support, self.settings, self.attempt = support, settings, attempt
         self.cgroup: cgroups.Attempt | None = None
+        self.pass_fds: tuple[int, ...] = ()  # what bwrap mounts by descriptor (init_from's weights)
         self.memory_bytes = settings.job_memory_bytes or memory_bytes
         if support.cgroup:
             cgroups.sweep_stale()  # an earlier attempt's, whose work-horse was killed before it removed its own
@@ -425,9 +441,19 @@ class Box:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback is all there is: gloo and NCCL must bind it
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         hand_over(self.support, self.settings, self.attempt)
+        if self.attempt.init_from is not None and self.attempt.init_job is not None:
+            self.pass_fds = (lend_init_source(self.support, self.settings, self.attempt.init_job,
+                                              self.attempt.init_from),)
+            self.attempt = replace(self.attempt, init_fd=self.pass_fds[0])
         # bwrap keeps the run tag: the worker finds an attempt's processes by it (worker/processes.py), bwrap too.
         tag = {RUN_TAG_ENV: env[RUN_TAG_ENV]} if RUN_TAG_ENV in env else {}
         return command(self.support, self.settings, self.attempt, argv, env), {**LAUNCH_ENV, **tag}
+
+    def launched(self) -> None:
+        """bwrap has its copies of the descriptors it mounts: the worker's are closed."""
+        for fd in self.pass_fds:
+            os.close(fd)
+        self.pass_fds = ()
 
     def preexec(self) -> None:
         """In the forked child, before it execs bwrap: every process of the attempt starts in the cgroup."""
@@ -438,6 +464,7 @@ class Box:
         return self.cgroup is not None and self.cgroup.oom_killed()
 
     def close(self) -> None:
+        self.launched()
         if self.cgroup is not None:
             self.cgroup.kill()
             self.cgroup.remove()
