@@ -56,3 +56,19 @@ def test_a_running_retry_names_the_attempt_before_it():
     job = {"id": "j1", "status": "running", "attempt": 2,
            "error": {**FAULT, "attempts": [{"attempt": 1, "type": "RuntimeError", "message": "injected fault"}]}}
     assert shown(print_retried, job) == "attempt 1 (retried): RuntimeError: injected fault\n"
+
+
+def test_a_bad_value_for_a_union_field_is_one_sentence_about_that_field(client):
+    """batch_size is an int >= 1 or "auto": pydantic's two branch errors (`...batch_size.constrained-int`,
+    `...batch_size.literal['auto']`, under the data type's tag) are one error about `data.batch_size`."""
+    from tests.conftest import mlp_spec
+
+    spec = mlp_spec(data={"type": "synthetic_regression", "batch_size": -3})
+    [error] = client.post("/v1/jobs", json=spec).json()["detail"]
+    assert error["loc"] == ["body", "data", "batch_size"] and error["input"] == -3
+    assert error["msg"] == "Input should be greater than or equal to 1, or 'auto'"
+    [error] = client.post("/v1/jobs", json=mlp_spec(model={"type": "mlp", "hidden": [0]})).json()["detail"]
+    assert error["loc"] == ["body", "model", "hidden", 0]  # a tagged union's tag (`mlp`) is no field either
+    sweep = {"name": "s", "spec": spec, "parameters": {"optimizer.lr": {"values": [0.1]}}}
+    [error] = client.post("/v1/sweeps", json=sweep).json()["detail"]
+    assert error["loc"] == ["body", "spec", "data", "batch_size"], error
