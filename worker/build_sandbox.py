@@ -20,7 +20,7 @@ job's code runs (DESIGN.md rule 6), never as the worker:
 
 Why a proxy rather than a namespace whose only route is the index's address: an index behind a CDN has many
 addresses that change, and a route to an address is a route to every name served there; a CONNECT proxy checks the
-name pip asked for and the address it resolves to, on every connection, in 200 lines of standard library.
+name pip asked for and the address it resolves to, on every connection, in a page of standard library.
 """
 
 import ast
@@ -55,6 +55,7 @@ PRIVATE = [ipaddress.ip_network(n) for n in ("0.0.0.0/8", "10.0.0.0/8", "100.64.
                                              "192.168.0.0/16", "198.18.0.0/15", "fc00::/7", "fec0::/10")]
 HEADER_MAX = 65536
 REFUSALS_KEPT = 50
+MAX_CONNECTIONS = 64  # at once, per build: a thread each in the worker, so a build cannot flood it
 BUILD_PIDS_MAX = 1024  # pip, a build backend and its compilers' processes and threads
 
 
@@ -171,6 +172,11 @@ class Proxy:
                 client, _ = self._server.accept()
             except OSError:
                 return
+            with self._lock:
+                crowded = len(self._socks) >= 2 * MAX_CONNECTIONS  # a client and its upstream each
+            if crowded:
+                self._refuse(client, "a connection", f"more than {MAX_CONNECTIONS} at once")
+                continue
             self._keep(client)
             threading.Thread(target=self._handle, args=(client,), daemon=True).start()
 
@@ -212,10 +218,13 @@ class Proxy:
                         ("connection", "keep-alive", "proxy-connection", "proxy-authorization")]
                 rest = "\r\n".join([f"{method} {path} {version}", *kept, "Connection: close", "", ""]).encode(
                     "latin-1") + rest
+            self._keep(upstream)
             if rest:
                 upstream.sendall(rest)
             threading.Thread(target=_pipe, args=(upstream, client), daemon=True).start()
             _pipe(client, upstream)
+            with self._lock:
+                self._socks.discard(upstream)
         except OSError:
             _close(client)
         finally:
@@ -235,7 +244,6 @@ class Proxy:
                 why = why_not
                 continue
             upstream = socket.socket(family, kind, proto)
-            self._keep(upstream)
             try:
                 upstream.settimeout(30)
                 upstream.connect(address)
