@@ -72,3 +72,25 @@ def test_a_bad_value_for_a_union_field_is_one_sentence_about_that_field(client):
     sweep = {"name": "s", "spec": spec, "parameters": {"optimizer.lr": {"values": [0.1]}}}
     [error] = client.post("/v1/sweeps", json=sweep).json()["detail"]
     assert error["loc"] == ["body", "spec", "data", "batch_size"], error
+
+
+def test_the_readme_puts_trainjobs_on_the_path_before_a_bare_trainjobs_and_logs_in_as_up_says():
+    """From a fresh clone: `.venv/bin/trainjobs up` first, then a bare `trainjobs` only once the venv is active;
+    the CLI finds the token from another folder only once `trainjobs login` (the line `up` prints) saved it."""
+    import re
+    from pathlib import Path
+
+    from service.cli.main import connect_lines
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    quick_start = readme.split("## A first job", 1)[1].split("\n## ", 1)[0]
+    lines = [line.strip() for block in quick_start.split("```")[1::2] for line in block.splitlines()]
+    active = lines.index("source .venv/bin/activate         # or write .venv/bin/trainjobs for each trainjobs below")
+    bare = [i for i, line in enumerate(lines) if re.match(r"trainjobs\s", line)]
+    assert bare and min(bare) > active, lines
+    assert all(".venv/bin/trainjobs up" in line for line in lines[:active] if "trainjobs up" in line)
+    login = next(line for line in lines if line.startswith("trainjobs login "))
+    said = connect_lines("http://127.0.0.1:8000", Path("trainjobs-data-secrets/admin.token")).splitlines()[1]
+    assert login == said.strip(), (login, said)
+    own = quick_start.split("Your own script", 1)[1]
+    assert "`.venv/bin/trainjobs up --allow-entrypoints`" in own and "after the\n`trainjobs login` above" in own
