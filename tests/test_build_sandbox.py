@@ -32,7 +32,7 @@ PROBE = json.loads(%(probe)r)
 
 def _probe():
     found = {"uid": os.getuid(), "gid": os.getgid()}
-    for path in PROBE["read"]:
+    for path in PROBE.get("read", []):
         try:
             with open(path, "rb") as f:
                 f.read(1)
@@ -44,14 +44,14 @@ def _probe():
             found["list " + path] = sorted(os.listdir(path))
         except OSError as exc:
             found["list " + path] = type(exc).__name__
-    for port in PROBE["ports"]:
+    for port in PROBE.get("ports", []):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=3).close()
             found["connect %%d" %% port] = "connected"
         except OSError as exc:
             found["connect %%d" %% port] = type(exc).__name__
     proxy = os.environ.get("HTTPS_PROXY", "")
-    for target in PROBE["through_proxy"] if proxy else ():
+    for target in PROBE.get("through_proxy", []) if proxy else ():
         try:
             host, port = proxy.rsplit("/", 1)[-1].rsplit(":", 1)
             s = socket.create_connection((host, int(port)), timeout=10)
