@@ -19,6 +19,7 @@ A refusal is `Refused`, whose message names the file and what it is ("model.pt i
 import ctypes
 import errno
 import os
+import shutil
 import stat
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
@@ -196,6 +197,37 @@ def find(folder: Path, rel: str | os.PathLike, name: str, *, limit: int = 4096) 
     finally:
         os.close(start)
     return found[:limit]
+
+
+def staging(storage_dir: Path) -> Path:
+    """Where the service stages what it will put in a job's folder (a download): its own, never shown to a job.
+
+    NOTE: never inside the job's folder, where a link the job planted at the staging name would take root's write
+    anywhere; the same filesystem as the job's folders, so `place` is one rename."""
+    folder = storage_dir / ".staging"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return folder
+
+
+def place(source: Path, folder: Path, name: str) -> None:
+    """Move the service's own `source` (a file or a folder) to folder/name, replacing whatever the job left there
+    (a link is removed, not followed); `folder` is reached by descriptor, so a swapped parent takes nothing."""
+    parts = _parts(name)
+    if len(parts) != 1:
+        raise Refused(name, "is not one name")
+    top = open_folder(folder)
+    try:
+        try:
+            there = os.lstat(name, dir_fd=top)
+        except FileNotFoundError:
+            there = None
+        if there is not None and stat.S_ISDIR(there.st_mode):
+            shutil.rmtree(name, dir_fd=top)  # fd-based: follows no link inside
+        elif there is not None:
+            os.unlink(name, dir_fd=top)
+        os.rename(source, name, dst_dir_fd=top)
+    finally:
+        os.close(top)
 
 
 def is_real(folder: Path, rel: str | os.PathLike, *, kind: str = "file") -> bool:

@@ -26,6 +26,7 @@ from tests.s3 import AWS, DownThenBack, lose_machines, moto_s3
 from trainjobs.errors import InvalidRequest
 from trainjobs.paths import new_job_id
 from worker import sandbox
+from worker.store_init import _fetch_model
 from worker.store_sync import AttemptSync
 
 BUCKET = "trainjobs-test"
@@ -110,6 +111,34 @@ def test_only_a_checkpoint_with_its_manifest_is_the_latest_and_retention_keeps_k
     # A local checkpoint without COMPLETE is never uploaded either (nor the one just fetched, again).
     checkpoint(second, 500, complete=False)
     assert resumed.upload_newest() is None
+
+
+def test_a_restore_and_an_init_from_fetch_write_nothing_through_links_the_job_left(tmp_path):
+    """A job's earlier attempt planted links where the worker (root) puts what it fetches: replaced, not followed."""
+    (tmp_path / "store").mkdir()
+    store, job = DirectoryStore(tmp_path / "store"), new_job_id()
+    first = tmp_path / "storage" / "jobs" / job
+    sync = AttemptSync(store, job_id=job, job_dir=first, keep=2, wait_s=1)
+    checkpoint(first, 100)
+    assert sync.upload_newest() == "step_00000100"
+    store.put_bytes(artifact_key(job, "model.pt"), b"the job's weights")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    second = tmp_path / "other-machine" / "jobs" / job
+    (second / "checkpoints").mkdir(parents=True)
+    (second / "artifacts").mkdir()
+    (second / "checkpoints" / "step_00000100").symlink_to(victim)
+    (second / "artifacts" / "model.pt").symlink_to(victim / "model.pt")
+    # Where the worker once staged its downloads, in the job's own folders, under names a job could guess.
+    (second / "checkpoints" / ".restore-step_00000100-node0").symlink_to(victim)
+    (second / "artifacts" / f".fetch-model.pt-{os.getpid()}").symlink_to(victim / "staged.pt")
+    assert AttemptSync(store, job_id=job, job_dir=second, keep=2, wait_s=1).restore() is None
+    restored = second / "checkpoints" / "step_00000100"
+    assert not restored.is_symlink() and (restored / "COMPLETE").is_file()
+    _fetch_model(store, job, second)
+    assert not (second / "artifacts" / "model.pt").is_symlink()
+    assert (second / "artifacts" / "model.pt").read_bytes() == b"the job's weights"
+    assert list(victim.iterdir()) == []
 
 
 def test_a_store_down_while_the_ranks_train_gets_the_checkpoint_once_it_is_back(tmp_path):

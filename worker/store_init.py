@@ -6,6 +6,7 @@ import fcntl
 import os
 from pathlib import Path
 
+from service import jobfiles
 from service.settings import Settings
 from service.storage import StoreUnavailable, artifact_key, open_store
 from service.storage.store import Store
@@ -38,19 +39,20 @@ def fetch_init_source(settings: Settings, job_id: str, checkpoint: str, *, lease
 def _fetch_model(store: Store, job_id: str, folder: Path) -> None:
     """The job's final model.pt into its artifacts folder: beside, checked against the store's size, renamed."""
     dest, key = folder / paths.ARTIFACTS / paths.MODEL_FILE, artifact_key(job_id, paths.MODEL_FILE)
-    if dest.is_file() or (info := store.head(key)) is None:
+    if jobfiles.is_real(folder, f"{paths.ARTIFACTS}/{paths.MODEL_FILE}") or (info := store.head(key)) is None:
         return
     dest.parent.mkdir(exist_ok=True)
-    temp = dest.with_name(f".fetch-{paths.MODEL_FILE}-{os.getpid()}")
+    # NOTE: staged in the service's folder, not the job's artifacts, where a planted link would take the write.
+    temp = jobfiles.staging(folder.parent.parent) / f"fetch-{job_id}-{paths.MODEL_FILE}-{os.getpid()}"
     try:
         store.get_file(key, temp)
         if temp.stat().st_size != info.size:
             raise StoreUnavailable(f"the store {store.url} gave {key} with {temp.stat().st_size} bytes, "
                                    f"its listing says {info.size}")
-        owner = dest.parent.stat()
+        owner = dest.parent.lstat()
         if owner.st_uid != os.geteuid():  # the job's uid's folder (sandbox.hand_over)
             os.lchown(temp, owner.st_uid, owner.st_gid)
-        os.replace(temp, dest)
+        jobfiles.place(temp, dest.parent, dest.name)
     except FileNotFoundError:  # deleted since the listing (retention): the job has none
         return
     finally:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from service import jobfiles
 from service.jobs.service import record_event
 from service.packages import stored as package_store
 from service.settings import Settings
@@ -147,7 +148,9 @@ class AttemptSync:
             return
         root = self.root
         root.mkdir(parents=True, exist_ok=True)
-        staging = root / f".restore-{newest['name']}-node{self.node_rank}"
+        # NOTE: staged in the service's own folder, not the job's, where an earlier attempt may have planted a link
+        # at the staging name to take this (root's) download anywhere; then moved in by descriptor (jobfiles.place).
+        staging = jobfiles.staging(self.job_dir.parent.parent) / f"{self.job_id}-{newest['name']}-node{self.node_rank}"
         shutil.rmtree(staging, ignore_errors=True)
         for rel, size in newest["files"].items():
             self._tick()
@@ -161,8 +164,7 @@ class AttemptSync:
         if self._whole(final):  # another node of a gang sharing this folder was first
             shutil.rmtree(staging, ignore_errors=True)
             return
-        shutil.rmtree(final, ignore_errors=True)  # a half-written one of an attempt that died here
-        os.replace(staging, final)
+        jobfiles.place(staging, root, newest["name"])  # over a half-written one of an attempt that died here
         owner = root.stat()
         if owner.st_uid != os.geteuid():  # the job's uid's folder (sandbox.hand_over): it may prune this one too
             for path in (final, *final.rglob("*")):
@@ -180,7 +182,7 @@ class AttemptSync:
         return found[-1] if found else None
 
     def _whole(self, folder: Path) -> bool:
-        return any((folder / mark).is_file() for mark in self.marks)
+        return any(jobfiles.is_real(folder.parent, f"{folder.name}/{mark}") for mark in self.marks)
 
     def newest_manifest(self) -> dict | None:
         """The newest checkpoint the store holds whole (its manifest), or None."""
