@@ -10,12 +10,13 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from service import jobfiles
 from service.jobs import lifecycle, records
 from service.metrics import service as metrics_service
 from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec
-from trainjobs.states import JobStatus
+from trainjobs.states import ErrorType, JobStatus
 from worker import devices, environments, launch, processes, store_sync
 from worker.attempt import outcome, prepare, start
 from worker.attempt.outcome import Outcome
@@ -136,7 +137,12 @@ class Supervisor:
         prepare.make_dirs(job_dir=job_dir, run_dir=self.run_dir, attempt=self.attempt)
         box = start.enclose(self.settings, job_id=self.job_id, run_dir=self.run_dir, job_dir=job_dir, python=python,
                             code=code, placed=self.placed, gang=self.gang)
-        argv, env = box.wrap(plan.argv, plan.env)
+        try:
+            argv, env = box.wrap(plan.argv, plan.env)
+        except jobfiles.Refused as exc:  # init_from's weights made a link since prepare checked them
+            box.close()
+            return Outcome(JobStatus.FAILED, error={"type": ErrorType.INIT_FROM_UNAVAILABLE, "rank": None,
+                                                    "message": f"init_from: job {code.init_job}'s {exc}"})
         self.logs.stage(self.placed.describe(self.attempt, box).encode())
         launched = start.launch_attempt(argv, env, cwd=code.code_dir or self.run_dir, box=box,
                                         cores=self.placed.cores, tag=self.tag)
@@ -224,6 +230,8 @@ class Supervisor:
             return "preempted"
         if self.health.poll() is not None:
             return "device_unhealthy"
+        if self.metrics.refused:
+            return "unsafe_file"
         return self.watch.poll(launcher.pid)
 
     def _build_env(self, requirements: list[str]) -> environments.Env:
@@ -310,7 +318,8 @@ class Supervisor:
                 return Outcome(JobStatus.SUCCEEDED, exit_code, summary=self.metrics.summary)
             return Outcome(JobStatus.CANCELLED, exit_code, killed_pids=killed)
         if failed := outcome.stopped(stop_reason, exit_code, killed, spec=self.spec, settings=self.settings,
-                                     watch=self.watch, node_rank=self.node_rank, device_problem=self.health.problem):
+                                     watch=self.watch, node_rank=self.node_rank, device_problem=self.health.problem,
+                                     unsafe=self.metrics.refused):
             return failed
         # The ranks checkpointed and stopped on a preemption: this node's, or (the runtime all-reduces the request)
         # another node's of the gang, whose ranks then exit 0 here too. Either way the job is not done.
