@@ -75,7 +75,7 @@ def train_round(root: Path, n: int, support: sandbox.Support, boxed: bool) -> fl
         argv, env = box.wrap(argv, env)
         preexec = box.preexec
     done = subprocess.run(argv, env=env, cwd=attempt.run_dir, capture_output=True, text=True, preexec_fn=preexec,
-                          umask=box.umask if box else -1)
+                          umask=box.umask if box else -1, pass_fds=box.pass_fds if box else ())
     if box:
         box.close()
     if done.returncode != 0:

@@ -407,6 +407,16 @@ def default_memory_bytes() -> int:
     return max(total - 2 * 2**30, total * 3 // 4)
 
 
+def _args_fd(args: list[str]) -> int:
+    """A descriptor bwrap reads `args` from (--args FD: NUL-separated), at its start."""
+    fd = os.memfd_create("trainjobs-bwrap-args", os.MFD_CLOEXEC)  # pass_fds hands it on all the same
+    data = b"".join(os.fsencode(a) + b"\0" for a in args)
+    while data:
+        data = data[os.write(fd, data):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 class Box:
     """One attempt in its sandbox and cgroup: the command to launch, the preexec_fn, and the teardown."""
 
@@ -414,7 +424,7 @@ class Box:
                  cpus: list[int] | None = None):
         self.support, self.settings, self.attempt = support, settings, attempt
         self.cgroup: cgroups.Attempt | None = None
-        self.pass_fds: tuple[int, ...] = ()  # what bwrap mounts by descriptor (init_from's weights)
+        self.pass_fds: tuple[int, ...] = ()  # what bwrap reads by descriptor: init_from's weights, the job's env
         self.memory_bytes = settings.job_memory_bytes or memory_bytes
         if support.cgroup:
             cgroups.sweep_stale()  # an earlier attempt's, whose work-horse was killed before it removed its own
@@ -447,10 +457,15 @@ class Box:
             self.attempt = replace(self.attempt, init_fd=self.pass_fds[0])
         # bwrap keeps the run tag: the worker finds an attempt's processes by it (worker/processes.py), bwrap too.
         tag = {RUN_TAG_ENV: env[RUN_TAG_ENV]} if RUN_TAG_ENV in env else {}
-        return command(self.support, self.settings, self.attempt, argv, env), {**LAUNCH_ENV, **tag}
+        # The job's variables reach bwrap through a descriptor (--args), not its command line, where any user of
+        # the host could read them (ps): a spec's env may hold a job's own tokens.
+        wrapped = command(self.support, self.settings, self.attempt, argv)
+        env_fd = _args_fd(["--clearenv", *(arg for name, value in env.items() for arg in ("--setenv", name, value))])
+        self.pass_fds = (*self.pass_fds, env_fd)
+        return [wrapped[0], "--args", str(env_fd), *wrapped[1:]], {**LAUNCH_ENV, **tag}
 
     def launched(self) -> None:
-        """bwrap has its copies of the descriptors it mounts: the worker's are closed."""
+        """bwrap has its copies of the descriptors it reads: the worker's are closed."""
         for fd in self.pass_fds:
             os.close(fd)
         self.pass_fds = ()
