@@ -80,8 +80,21 @@ def test_client_commands_import_nothing_of_the_server(args):
 def test_help_parses_arguments_only():
     """`trainjobs --help` loads not even the HTTP client: httpx (and, through it, click and pygments) alone
     takes about as long as the rest of the start."""
-    bad = offences(loaded("-m", "service.cli", "--help"), ("httpx", "httpcore", "pydantic", "yaml"))
+    bad = offences(loaded("-m", "service.cli", "--help"), ("httpx", "httpcore", "pydantic", "yaml", "rich"))
     assert not bad, "`trainjobs --help` imported more than it prints:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("args, banned", [
+    (["logs", "0" * 20], ("rich.table", "rich.progress", "rich.live", "yaml", "pydantic")),  # the output as it is
+    (["status", "0" * 20], ("rich.progress", "rich.live", "yaml", "pydantic")),  # a table, not a live bar
+    (["list"], ("rich.progress", "rich.live", "yaml", "pydantic")),
+], ids=["logs", "status", "list"])
+def test_a_client_command_imports_only_what_it_prints_with(args, banned):
+    """rich is a fifth of a command's start (issue 43): `logs` prints the output as it came, `status` and `list`
+    a table (rich.console, rich.table), never the live progress bar of --follow. The API here is a closed port,
+    so each prints its `error:` line (rich.console and rich.text), and that without the bar."""
+    bad = offences(loaded("-m", "service.cli", *args), banned)
+    assert not bad, f"`trainjobs {' '.join(args)}` imported more than it prints with:\n" + "\n".join(bad)
 
 
 def test_trainjobs_alone_prints_the_help_and_exits_0():
@@ -123,3 +136,16 @@ def test_the_cli_knows_every_webhook_event():
     from service.webhooks.outbox import EVENTS
 
     assert webhooks_cli.EVENTS == EVENTS
+
+
+def test_a_plain_http_api_loads_no_ca_bundle_and_an_https_one_verifies_as_ever():
+    """Loading the CA bundle was ~20 ms of every client command; an http API needs none. Its context trusts no
+    CA, so a redirect to https fails its certificate check instead of passing unchecked."""
+    import ssl
+
+    from trainjobs.client import tls_for
+
+    assert tls_for("https://trainjobs.example.com") is True and tls_for("HTTPS://x") is True
+    plain = tls_for("http://127.0.0.1:8000")
+    assert isinstance(plain, ssl.SSLContext) and plain.verify_mode == ssl.CERT_REQUIRED and plain.check_hostname
+    assert plain.cert_store_stats()["x509_ca"] == 0

@@ -18,6 +18,7 @@ admin token file of a local `trainjobs up`, then http://127.0.0.1:8000 with no t
 import json
 import logging
 import os
+import ssl
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -243,6 +244,15 @@ def find_token(settings) -> str | None:
 WAIT_POLL_S = (0.2, 2.0)  # wait() polls from every 0.2 s up to every 2 s (the API's ETag makes a poll cheap)
 
 
+def tls_for(api_url: str) -> bool | ssl.SSLContext:
+    """httpx's `verify` for an API at `api_url`: True (the CA bundle) for https. A plain-http API needs no TLS, and
+    loading the CA bundle was a tenth of a CLI command's start (issue 43): a context that trusts no CA, so that a
+    redirect to https fails its check rather than pass unchecked."""
+    if api_url.lower().startswith("https:"):
+        return True
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, check_hostname: and no CA to pass either
+
+
 class Client:
     """The API, from Python. base_url and token: as the CLI finds them when not given (see `connect`)."""
 
@@ -251,7 +261,8 @@ class Client:
         self.connection = connection or connect(base_url, token)
         token = self.connection.token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=self.connection.api_url, timeout=timeout, headers=headers)
+        self.http = httpx.Client(base_url=self.connection.api_url, timeout=timeout, headers=headers,
+                                 verify=tls_for(self.connection.api_url))
         self.last_upload = None  # upload_package: what it sent last (None: the API had it already)
 
     def close(self) -> None:

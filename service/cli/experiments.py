@@ -8,17 +8,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-
 from service.cli import tables
+from service.cli.console import LazyConsole
 from service.cli.follow import submitted
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
     from trainjobs.client import Client
 
-console = Console(markup=False)
+console = LazyConsole(markup=False)
 JOB_HELP = "a job id, a unique prefix of it (4 characters or more) or the job's exact name"
-err = Console(stderr=True, markup=False)
+err = LazyConsole(stderr=True, markup=False)
 
 
 def override(text: str) -> tuple[str, object]:

@@ -10,12 +10,11 @@ from datetime import timedelta
 from itertools import chain
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn
-from rich.table import Table
-from rich.text import Text
+from service.cli.console import LazyConsole, real
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from rich.console import Console
+
     from trainjobs.client import Client, Event
 
 # What `trainjobs submit --follow` exits with, like a command that ran the job itself: 130 is a shell's code
@@ -66,8 +65,8 @@ class ProgressView:
                 "status": status, "loss": loss, "speed": speed, "eta": eta}
 
 
-def follow(client: Client, job_id: str, console: Console | None = None, *, exit_on_ctrl_c: bool = True,
-           output: bool = False, node_rank: int = 0, rank: int | None = None) -> dict:
+def follow(client: Client, job_id: str, console: Console | LazyConsole | None = None, *,
+           exit_on_ctrl_c: bool = True, output: bool = False, node_rank: int = 0, rank: int | None = None) -> dict:
     """Follow the job's event stream to its end, with a progress bar on `console` (none without one) and, with
     `output`, the job's output (node `node_rank`'s; with `rank`, that rank's lines) printed above it as it comes;
     returns the final job. Ctrl-C stops the following only: the job runs on, and the follower exits 130 at once.
@@ -80,7 +79,7 @@ def follow(client: Client, job_id: str, console: Console | None = None, *, exit_
         if console is not None:
             console.show_cursor(True)
         sys.stdout.flush()
-        Console(stderr=True, markup=False).print(f"stopped following job {job_id}; it keeps running "
+        LazyConsole(stderr=True, markup=False).print(f"stopped following job {job_id}; it keeps running "
                                                  f"(`trainjobs cancel {job_id}` stops it)")
         sys.stderr.flush()
         os._exit(130)
@@ -97,8 +96,11 @@ def follow(client: Client, job_id: str, console: Console | None = None, *, exit_
         signal.signal(signal.SIGINT, previous)
 
 
-def follow_events(client: Client, job_id: str, console: Console | None, *, output: bool = False,
+def follow_events(client: Client, job_id: str, console: Console | LazyConsole | None, *, output: bool = False,
                   node_rank: int = 0, rank: int | None = None) -> dict:
+    from rich.progress import BarColumn, Progress, TextColumn
+    from rich.text import Text
+
     job = client.get(job_id)
     view = ProgressView(job)
     # The bar shows the latest values: points written from now on, never the series' history.
@@ -113,7 +115,7 @@ def follow_events(client: Client, job_id: str, console: Console | None, *, outpu
     # Not a terminal (CI logs, a file, a pipe): no live bar is drawn, so each change of status (and of why a queued
     # job waits) is a line of its own.
     plain, said = not console.is_terminal, None
-    with Progress(*columns, console=console, transient=False) as bar:
+    with Progress(*columns, console=real(console), transient=False) as bar:
         task = bar.add_task(job["name"], **view.fields())
         # NOTE: event by event, as they come (rich flushes each print, to a pipe too): a list of the stream, as once,
         # waited for the job's end.
@@ -131,7 +133,7 @@ def follow_events(client: Client, job_id: str, console: Console | None, *, outpu
     return client.get(job_id)
 
 
-def submitted(client: Client, job: dict, args, console: Console, note: str = "") -> int:
+def submitted(client: Client, job: dict, args, console: Console | LazyConsole, note: str = "") -> int:
     """How submit, run and resubmit end: the job (--json), or a line naming it (and `note`); with --follow, the
     job followed to its end (its output too, unless --quiet), its outcome, and the outcome's exit code."""
     from service.cli.tables import answer
@@ -209,9 +211,11 @@ def place(job: dict, rank: int | None, node: int | None) -> tuple[int, int | Non
     return node, rank if nnodes * nproc > 1 else None
 
 
-def print_output(client: Client, job_id: str, offset: int, console: Console, *, node_rank: int = 0,
+def print_output(client: Client, job_id: str, offset: int, console: Console | LazyConsole, *, node_rank: int = 0,
                  rank: int | None = None) -> int:
     """The job's output from `offset` on (the user's text, printed as text, above the bar); the next offset."""
+    from rich.text import Text
+
     while True:
         text, after, _ = client.log_page(job_id, offset, node_rank=node_rank, rank=rank)
         if text:
@@ -221,9 +225,12 @@ def print_output(client: Client, job_id: str, offset: int, console: Console, *, 
         offset = after
 
 
-def print_outcome(job: dict, console: Console) -> int:
+def print_outcome(job: dict, console: Console | LazyConsole) -> int:
     """The job's final status, summary and error, then earlier attempts' errors, each labelled as retried (the
     user's text, printed as text); returns its exit code."""
+    from rich.table import Table
+    from rich.text import Text
+
     style = {"succeeded": "green", "failed": "red", "cancelled": "yellow"}.get(job["status"], "white")
     attempt = job.get("attempt") or 1
     console.print(Text.assemble("job ", (job["id"], "bold"), " ", (job["status"], style),
@@ -253,8 +260,10 @@ def final_error(job: dict) -> dict | None:
     return err if not causes or causes[-1].get("attempt") == (job.get("attempt") or 1) else None
 
 
-def print_retried(job: dict, console: Console) -> None:
+def print_retried(job: dict, console: Console | LazyConsole) -> None:
     """One line per earlier attempt that failed and was retried: `attempt 1 (retried): RuntimeError: ...`."""
+    from rich.text import Text
+
     err, attempt = job.get("error") or {}, job.get("attempt") or 1
     causes = [(f"attempt {c['attempt']}", c) for c in err.get("attempts") or [] if (c.get("attempt") or 0) < attempt]
     if err and not err.get("attempts") and final_error(job) is None:  # an error kept without its history

@@ -4,15 +4,14 @@
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-
 from service.cli import tables
+from service.cli.console import LazyConsole
 from service.cli.tokens import parse_duration
 
 if TYPE_CHECKING:  # annotations only: main() hands this command the settings it has loaded
     from service.settings import Settings
 
-console = Console()
+console = LazyConsole()
 DEFAULT_DAYS = 30
 
 

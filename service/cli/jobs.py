@@ -7,16 +7,15 @@ import sys
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-
 from service.cli import ids, tables
+from service.cli.console import LazyConsole
 from trainjobs.states import TERMINAL, JobStatus
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
     from trainjobs.client import Client
 
-console = Console(markup=False, highlight=False, soft_wrap=True)
-err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
+console = LazyConsole(markup=False, highlight=False, soft_wrap=True)
+err = LazyConsole(stderr=True, markup=False, highlight=False, soft_wrap=True)
 PAGE = 500  # the API's largest page
 
 

@@ -13,15 +13,14 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-
 from service.cli import tables
+from service.cli.console import LazyConsole
 
 if TYPE_CHECKING:  # annotations only: httpx loads when a command runs, not for `trainjobs --help`
     from trainjobs.client import Client, Connection
 
-console = Console(markup=False, highlight=False, soft_wrap=True)
-err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
+console = LazyConsole(markup=False, highlight=False, soft_wrap=True)
+err = LazyConsole(stderr=True, markup=False, highlight=False, soft_wrap=True)
 
 
 def interactive() -> bool:

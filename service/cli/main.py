@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from rich.console import Console
-from rich.text import Text
 
 from service.cli import experiments as experiments_cli
 from service.cli import files, ids, tables
@@ -31,6 +26,7 @@ from service.cli import run as run_cli
 from service.cli import sweeps as sweeps_cli
 from service.cli import tokens as auth_cli
 from service.cli import webhooks as webhooks_cli
+from service.cli.console import LazyConsole
 from service.cli.follow import (
     add_output_flags,
     check_spec_rank,
@@ -49,7 +45,7 @@ if TYPE_CHECKING:  # imported when a command runs (see main): `trainjobs --help`
 
 # What the CLI prints is mostly the user's own text (job names, error messages, logs): printed as text, never read
 # as rich markup (`[rank0]: boom` stays whole, and a `[/]` in it is no crash). Styling is explicit (Text).
-console = Console(markup=False)
+console = LazyConsole(markup=False)
 
 
 def load_spec(path: str) -> dict:
@@ -72,6 +68,8 @@ def cmd_submit(args, client: Client) -> int:
 
 def cmd_plan(args, client: Client) -> int:
     """The memory plan of a spec: both estimates per device, against the device's memory, and the choice."""
+    from rich.text import Text
+
     plan = client.plan(load_spec(args.file))
 
     def show(plan: dict) -> None:
@@ -83,6 +81,8 @@ def cmd_plan(args, client: Client) -> int:
 
 
 def cmd_status(args, client: Client) -> int:
+    from rich.text import Text
+
     job = client.get(args.job_id)
     if args.json:
         return tables.answer(job, True)
@@ -198,6 +198,8 @@ def connect_lines(api_url: str, token_file: Path) -> str:
 
 def cmd_demo(args, settings: Settings) -> int:
     """Start a stack on a free port, run one job with a progress bar, print its summary, stop."""
+    import socket
+
     from service.cli.stack import Stack
     from service.undumpable import make_undumpable
     from trainjobs.client import Client
@@ -394,6 +396,8 @@ def main(argv: list[str] | None = None, client: Client | None = None) -> int:
         parser.print_help()
         return 0
     args = parser.parse_args(argv)
+    import logging  # here: `trainjobs --help` and a bad argument need none of it (nor httpx, which imports it)
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # The SDK and its HTTP client, for every command that runs (the except clauses below name them).
     httpx = import_httpx()
@@ -417,21 +421,26 @@ def main(argv: list[str] | None = None, client: Client | None = None) -> int:
         settings = get_settings()
         return args.local(args, settings)
     except APIError as exc:
-        console.print(Text.assemble(("error:", "red"), f" {exc}"), soft_wrap=True)
+        print_error(str(exc))
         return 2
     except httpx.TransportError as exc:
         where = "its URL" if settings is None else settings.api_url + (f" (from {settings.url_from})" if remote else "")
-        console.print(Text.assemble(("error:", "red"), f" cannot reach the API at {where} ({exc}); "
-                                                       "is `trainjobs up` running? Started with --port N: "
-                                                       "`trainjobs login http://127.0.0.1:N --token-file "
-                                                       "trainjobs-data-secrets/admin.token`, or set "
-                                                       "TRAINJOBS_API_URL"), soft_wrap=True)
+        print_error(f"cannot reach the API at {where} ({exc}); is `trainjobs up` running? Started with --port N: "
+                    "`trainjobs login http://127.0.0.1:N --token-file trainjobs-data-secrets/admin.token`, or set "
+                    "TRAINJOBS_API_URL")
         return 2
     except (OSError, ValueError, RuntimeError) as exc:
-        console.print(Text.assemble(("error:", "red"), f" {exc}"), soft_wrap=True)
+        print_error(str(exc))
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def print_error(message: str) -> None:
+    """`error:` in red, then the message as text (often the user's own: never read as markup)."""
+    from rich.text import Text
+
+    console.print(Text.assemble(("error:", "red"), f" {message}"), soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
-
 from service.cli import tables
+from service.cli.console import LazyConsole
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from rich.table import Table
+
     from trainjobs.client import Client
 
-console = Console(markup=False)
+console = LazyConsole(markup=False)
 
 
 def cmd_queue(args, client: Client) -> int:
@@ -22,6 +22,8 @@ def cmd_queue(args, client: Client) -> int:
 
 def show_queue(q: dict) -> Table:
     """Prints the caller's standing and the reservations; returns the waiting jobs in start order, as a table."""
+    from rich.table import Table
+
     you = q["you"]
     team = f", team {you['team']}" if you["team"] else ""
     console.print(f"policy {q['policy']}: {q['waiting']} waiting. You ({you['user']}{team}): "
@@ -52,6 +54,8 @@ def cmd_team_list(args, client: Client) -> int:
 
 
 def teams_table(teams: dict) -> Table:
+    from rich.table import Table
+
     table = Table("team", "weight", "max slots", "device-hours", "members")
     for t in teams["items"]:
         table.add_row(t["name"], f"{t['weight']:g}", str(t["max_slots"] or "-"), f"{t['usage_device_hours']:.2f}",

@@ -12,16 +12,15 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-
 from service.cli import tables
+from service.cli.console import LazyConsole
 from service.cli.follow import add_output_flags, check_rank, submitted
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
     from trainjobs.client import Client
 
-console = Console(markup=False)
-err = Console(stderr=True, markup=False)
+console = LazyConsole(markup=False)
+err = LazyConsole(stderr=True, markup=False)
 
 
 def env_pair(text: str) -> tuple[str, str]:

@@ -6,15 +6,15 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Column, Table
-
 from service.cli import tables
+from service.cli.console import LazyConsole
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from rich.table import Table
+
     from trainjobs.client import Client
 
-console = Console(markup=False)
+console = LazyConsole(markup=False)
 FOLLOW_POLL_S = 2.0
 SWEEP_HELP = "a sweep id, a unique prefix of it (4 characters or more) or the sweep's exact name"
 
@@ -43,6 +43,8 @@ def sweep_line(sweep: dict) -> str:
 
 def trials_table(sweep: dict, trials: list[dict]) -> Table:
     """One row a trial, best first by the sweep's metric (trials with no value yet last)."""
+    from rich.table import Column, Table
+
     metric, goal = sweep["metric"]["name"], sweep["metric"]["goal"]
     paths = list(sweep["parameters"])
     table = Table(Column("#", justify="right"), Column("job", no_wrap=True), "status", *paths,
@@ -86,6 +88,8 @@ def cmd_sweeps(args, client: Client) -> int:
 
 
 def sweeps_table(page: dict) -> Table:
+    from rich.table import Column, Table
+
     table = Table(Column("id", no_wrap=True), "name", "owner", "status", "method", "trials", "best",
                   Column("created (UTC)", no_wrap=True))
     for s in page["items"]:

@@ -2,21 +2,25 @@
 command ends in), else a rich table or plain lines for a person (a memory plan, a job, a page of jobs, the
 workers)."""
 
+from __future__ import annotations
+
 import json
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Column, Table
-from rich.text import Text
+from service.cli.console import LazyConsole
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 # What the CLI prints is mostly the user's own text (names, messages, URLs): printed as text, never read as markup.
-console = Console(markup=False)
+console = LazyConsole(markup=False)
 
 
-def answer(data: Any, as_json: bool, show: Callable[[Any], Any] | None = None, *, to: Console | None = None,
-           indent: int | None = 2) -> int:
+def answer(data: Any, as_json: bool, show: Callable[[Any], Any] | None = None, *,
+           to: Console | LazyConsole | None = None, indent: int | None = 2) -> int:
     """A command's ending: with --json, `data` as plain JSON on stdout (no rich markup: for scripts and jq); else
     what `show(data)` makes of it for a person, printed on `to` (default: stdout), or nothing more when `show`
     printed it itself (returning None). 0, the exit code of a command that got its answer."""
@@ -31,6 +35,9 @@ def answer(data: Any, as_json: bool, show: Callable[[Any], Any] | None = None, *
 
 def plan_table(plan: dict) -> Table:
     """Both estimates per device, line by line of their breakdown, and the totals."""
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table("per device", "ddp", "fsdp", title=f"{plan['parameters']:,} parameters on {plan['device']}")
     for key in dict.fromkeys([*plan["ddp"]["breakdown"], *plan["fsdp"]["breakdown"]]):
         row = [plan[s]["breakdown"].get(key) for s in ("ddp", "fsdp")]
@@ -49,6 +56,9 @@ def format_bytes(n: float) -> str:
 
 
 def job_table(job: dict) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
     progress = job["progress"]
     table = Table(show_header=False, title=f"job {job['id']}")
     status = f"{job['status']} ({job['reason']})" if job.get("reason") else job["status"]
@@ -147,6 +157,8 @@ def jobs_lines(jobs: list[dict], width: int = 80, now: datetime | None = None) -
 def workers_table(page: dict, now: datetime | None = None) -> Table:
     """One row a worker: its state, what it offers (device, slots, memory, labels), what it runs, when it was
     last heard from. Its address and host are in --json."""
+    from rich.table import Column, Table
+
     now = now or datetime.now(UTC)
     # The devices column only where a worker lists its devices (one of an earlier version does not).
     shows_devices = any(w.get("devices") for w in page["items"])

@@ -6,15 +6,15 @@ import argparse
 import re
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
-
 from service.cli import tables
+from service.cli.console import LazyConsole
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from rich.table import Table
+
     from trainjobs.client import Client
 
-err = Console(stderr=True, markup=False)  # names and users are the user's text, printed as text
+err = LazyConsole(stderr=True, markup=False)  # names and users are the user's text, printed as text
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -50,6 +50,8 @@ def cmd_list(args, client: Client) -> int:
 
 
 def tokens_table(page: dict) -> Table:
+    from rich.table import Table
+
     table = Table("id", "name", "user", "role", "created", "last used", "expires", "revoked")
     for t in page["items"]:
         table.add_row(t["id"], t["name"], t["user"], t["role"], t["created_at"], t["last_used_at"] or "",

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Column, Table
-
 from service.cli import tables
+from service.cli.console import LazyConsole
 
 if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client, not for `trainjobs --help`
+    from rich.table import Table
+
     from trainjobs.client import Client
 
-out, err = Console(markup=False), Console(stderr=True, markup=False)  # URLs and answers are the user's text
+out, err = LazyConsole(markup=False), LazyConsole(stderr=True, markup=False)  # URLs and answers are the user's text
 # NOTE: a copy of service.webhooks.outbox.EVENTS, which lives beside the outbox's SQLAlchemy queries: importing
 # it would load SQLAlchemy into every CLI command. tests/test_cli_startup.py checks that the two agree.
 EVENTS = ("job.started", "job.succeeded", "job.failed", "job.cancelled", "job.hung", "job.preempted")
@@ -36,6 +36,8 @@ def cmd_list(args, client: Client) -> int:
 
 
 def webhooks_table(page: dict) -> Table:
+    from rich.table import Column, Table
+
     table = Table(Column("id", no_wrap=True), "url", "events", "format", "owner", "secret", "created")
     for h in page["items"]:
         owner = h["owner"] + (" (all users)" if h["all_users"] else "")
@@ -55,6 +57,8 @@ def cmd_deliveries(args, client: Client) -> int:
 
 
 def deliveries_table(page: dict) -> Table:
+    from rich.table import Column, Table
+
     table = Table(Column("event id", no_wrap=True), "event", "subject", "status", "tries", "last answer", "next try",
                   "created")
     for d in page["items"]:
