@@ -8,8 +8,9 @@ CHANGELOG.md.
 A page is keyset-paged on an id that sorts by creation (`trainjobs.paths.new_job_id` for jobs and sweeps, the
 row's integer for a webhook's deliveries): the next page is the rows below the last id of this one, an index
 range however deep the page, and a row added meanwhile never shifts one in or out twice as an OFFSET would.
-The cursor on the wire is that last id, as it always was. A bottom module: it imports no domain, so every
-domain's service and schemas may import it.
+The cursor on the wire is that last id, as it always was. A list whose rows have no id that sorts by creation
+(the workers, named by their hosts) pages the same way in its key's order (`in_order`). A bottom module: it
+imports no domain, so every domain's service and schemas may import it.
 """
 
 from collections.abc import Sequence
@@ -47,6 +48,12 @@ def newest_first(query: Select, key: InstrumentedAttribute, *, cursor: str | int
         raise InvalidRequest("cursor is not a value this API returned", field="cursor")
     query = query.order_by(key.desc()).limit(limit + 1)
     return query.where(key < cursor) if cursor is not None else query
+
+
+def in_order(query: Select, key: InstrumentedAttribute, *, cursor: str | None, limit: int) -> Select:
+    """`query`'s page after `cursor` in `key`'s order (ascending), with one row past `limit`, as `newest_first`."""
+    query = query.order_by(key).limit(limit + 1)
+    return query.where(key > cursor) if cursor is not None else query
 
 
 def page_of(rows: Sequence[R], *, limit: int, key: str = "id") -> tuple[list[R], Any]:

@@ -21,7 +21,7 @@ stack = module_stack("workers", workers=0, lease_s=LEASE_S, heartbeat_s=0.5, swe
 
 def workers_by_id(api) -> dict[str, dict]:
     body = api.get("/v1/workers").json()
-    assert set(body) == {"items"}
+    assert set(body) == {"items", "next_cursor"}
     return {w["id"]: w for w in body["items"]}
 
 

@@ -1,8 +1,9 @@
-"""What GET /v1/workers returns."""
+"""What GET /v1/workers returns: a page of workers (service/workers/listing.py reads it as columns)."""
 
 from datetime import datetime
 
 from pydantic import BaseModel
+from sqlalchemy import Row
 
 from service.workers.models import Worker
 from service.workers.service import shown_state
@@ -42,7 +43,7 @@ class WorkerPublic(BaseModel):
     last_seen: datetime
 
     @classmethod
-    def of(cls, worker: Worker, *, now: datetime, lost_after_s: float, show_job: bool = True,
+    def of(cls, worker: Worker | Row, *, now: datetime, lost_after_s: float, show_job: bool = True,
            held: dict[int, tuple[str, int]] | None = None, shown: set[str] | None = None) -> "WorkerPublic":
         """show_job=False hides the job it runs (another owner's, shown to a user); `held`: its devices' holders
         (device -> (job, node)), of which only the jobs in `shown` are named (None: all)."""
@@ -72,3 +73,4 @@ class WorkerPublic(BaseModel):
 
 class WorkersPublic(BaseModel):
     items: list[WorkerPublic]
+    next_cursor: str | None = None  # the next page's cursor (the last id of this one); None: the last page
