@@ -13,6 +13,7 @@ from service.workers import service as workers
 from service.workers.models import Worker
 from tests.conftest import mlp_spec
 from tests.test_auth import make_token
+from trainjobs.client import Client
 
 N = 23
 
@@ -109,3 +110,16 @@ def test_a_user_sees_only_their_own_jobs_on_the_workers_page(client, pool):
     assert w02["jobs"] == [] and w02["current_job"] is None and w02["busy_slots"] == 4
     admin = {w["id"]: w for w in client.get("/v1/workers", params={"limit": 3}).json()["items"]}
     assert admin["w01"]["jobs"] == sorted([pool["mine"], pool["theirs"]]) and admin["w02"]["jobs"] == [pool["mine"]]
+
+
+def test_the_sdk_follows_the_pages_and_passes_the_filters(client, pool):
+    sdk = Client("http://testserver", token="unused")
+    sdk.http = client  # the TestClient is an httpx.Client on the app, carrying the admin token
+    every = sdk.workers()
+    assert [w["id"] for w in every["items"]] == [f"w{i:02d}" for i in range(N)] and every["next_cursor"] is None
+    assert [w["id"] for w in sdk.iter_workers(page_size=4)] == [f"w{i:02d}" for i in range(N)]
+    assert [w["id"] for w in sdk.workers(["lost", "draining"])["items"]] == ["w03", "w05"]
+    assert [w["id"] for w in sdk.workers(labels={"zone": "b", "gpu": "h100"}, min_free_devices=4)["items"]] == [
+        f"w{i:02d}" for i in range(N) if i % 3 == 1 and i % 2 == 0 and i != 4]  # w04: 3 free
+    page = sdk.workers(limit=2, cursor="w20")
+    assert [w["id"] for w in page["items"]] == ["w21", "w22"] and page["next_cursor"] is None

@@ -738,11 +738,23 @@ function runningJobs(w) {
   return w.current_job ? [w.current_job] : [];
 }
 
+// #/workers?state=&label=&free=: a page of GET /v1/workers at a time (WORKERS_PAGE, by worker id), filtered by
+// the API (state, every label k=v, at least `free` free devices); cursors[i]: the cursor of page i.
+const WORKERS_PAGE = 50;
 function workersView() {
   show("workers");
-  return every(2000, async () => {
-    const { body, changed } = await getJson("/v1/workers");
-    if (!changed) return;
+  const [, query] = hashParts();
+  const filter = { state: query.get("state") || "", label: query.get("label") || "", free: query.get("free") || "" };
+  let cursors = [null], next = null, shown = null, stop = () => {};
+  const pageUrl = () => {
+    const q = new URLSearchParams({ limit: WORKERS_PAGE });
+    if (filter.state) q.set("state", filter.state);
+    for (const label of filter.label.split(/[\s,]+/).filter((l) => l.includes("="))) q.append("label", label);
+    if (Number(filter.free) > 0) q.set("min_free_devices", String(Math.floor(Number(filter.free))));
+    if (cursors.at(-1)) q.set("cursor", cursors.at(-1));
+    return `/v1/workers?${q}`;
+  };
+  const render = (body) => {
     const rows = body.items.map((w) => el("tr", {},
       el("td", { title: w.pressure || "" }, statusBadge(w.state), w.pressure ? " disk pressure" : ""),
       el("td", {}, w.id), el("td", { title: w.address }, w.host),
@@ -760,7 +772,45 @@ function workersView() {
       el("td", { title: when(w.last_seen) }, ago(w.last_seen))));
     document.querySelector("#workers-table tbody").replaceChildren(...rows);
     $("workers-empty").hidden = rows.length > 0;
-  });
+    next = body.next_cursor;
+    $("workers-next").disabled = !next;
+    $("workers-prev").disabled = cursors.length < 2;
+    $("workers-page-no").textContent = `page ${cursors.length}`;
+  };
+  const restart = () => {
+    stop();
+    stop = every(2000, async () => {
+      const url = pageUrl();
+      const { body, changed } = await getJson(url);
+      if (changed || shown !== url) { render(body); shown = url; } // (a 304 for a page another filter replaced)
+    });
+  };
+  // A new filter: back to the first page, the URL rewritten (so the view can be bookmarked), a new poll.
+  const applyFilter = () => {
+    Object.assign(filter, { label: $("filter-label").value.trim(), free: $("filter-free").value.trim() });
+    cursors = [null];
+    keepInUrl("/workers", filter);
+    restart();
+  };
+  let typing;
+  $("filter-label").value = filter.label;
+  $("filter-free").value = filter.free;
+  for (const id of ["filter-label", "filter-free"]) {
+    $(id).oninput = () => { clearTimeout(typing); typing = setTimeout(applyFilter, 300); };
+  }
+  $("workers-filter").onsubmit = (ev) => { ev.preventDefault(); clearTimeout(typing); applyFilter(); };
+  for (const chip of document.querySelectorAll("#worker-state-filter button")) {
+    chip.classList.toggle("on", chip.dataset.state === filter.state);
+    chip.onclick = () => {
+      filter.state = chip.dataset.state;
+      for (const c of document.querySelectorAll("#worker-state-filter button")) c.classList.toggle("on", c === chip);
+      applyFilter();
+    };
+  }
+  $("workers-next").onclick = () => { if (next) { cursors.push(next); restart(); } };
+  $("workers-prev").onclick = () => { if (cursors.length > 1) { cursors.pop(); restart(); } };
+  restart();
+  return () => { clearTimeout(typing); stop(); };
 }
 
 // The fair pool's queue (GET /v1/queue): your waiting jobs in start order and why; others' only counted.
