@@ -149,3 +149,17 @@ def test_a_plain_http_api_loads_no_ca_bundle_and_an_https_one_verifies_as_ever()
     plain = tls_for("http://127.0.0.1:8000")
     assert isinstance(plain, ssl.SSLContext) and plain.verify_mode == ssl.CERT_REQUIRED and plain.check_hostname
     assert plain.cert_store_stats()["x509_ca"] == 0
+
+
+def test_submit_to_an_api_that_is_not_there_fails_at_once(monkeypatch):
+    """A refused connection sent nothing: no retry (they took 1.5 s to say the same), unlike a connection dropped
+    after the POST went out, which is retried with its Idempotency-Key."""
+    import httpx
+
+    from trainjobs import client as sdk
+
+    slept = []
+    monkeypatch.setattr(sdk.time, "sleep", slept.append)
+    with sdk.Client(DEAD_API, token="tj_x") as api, pytest.raises(httpx.ConnectError):
+        api.submit({"name": "x"})
+    assert slept == []
