@@ -383,8 +383,28 @@ class Client:
             time.sleep(poll_s)
         return sweep
 
-    def workers(self) -> dict:
-        return self._call("GET", "/v1/workers").json()
+    def workers(self, state: "str | list[str] | None" = None, *, labels: dict[str, str] | None = None,
+                min_free_devices: int | None = None, limit: int | None = None, cursor: str | None = None) -> dict:
+        """The workers (by id) in `state` (idle, busy, draining, lost; or a list of them) that carry every label
+        and have at least `min_free_devices` devices free: all of them, every page followed, as {items,
+        next_cursor: None}; with `limit` or `cursor` (the last page's next_cursor) one page, as the API answers."""
+        if limit is None and cursor is None:
+            return {"items": list(self.iter_workers(state, labels=labels, min_free_devices=min_free_devices)),
+                    "next_cursor": None}
+        params = {"state": state, "label": [f"{k}={v}" for k, v in (labels or {}).items()] or None,
+                  "min_free_devices": min_free_devices, "limit": limit, "cursor": cursor}
+        return self._call("GET", "/v1/workers", params={k: v for k, v in params.items() if v is not None}).json()
+
+    def iter_workers(self, state: "str | list[str] | None" = None, *, labels: dict[str, str] | None = None,
+                     min_free_devices: int | None = None, page_size: int = 500) -> Iterator[dict]:
+        """Every worker that matches (see `workers`), by id, page after page."""
+        cursor = None
+        while True:
+            page = self.workers(state, labels=labels, min_free_devices=min_free_devices, limit=page_size,
+                                cursor=cursor)
+            yield from page["items"]
+            if not (cursor := page.get("next_cursor")):  # (an API before issue 42 answers all, no next_cursor)
+                return
 
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel").json()
