@@ -1,6 +1,7 @@
 """GET /v1/workers a page at a time, filtered in SQL (issue 42), on both databases: every worker once, each filter,
 and a user sees only their own jobs' ids, as before the pages."""
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -123,3 +124,20 @@ def test_the_sdk_follows_the_pages_and_passes_the_filters(client, pool):
         f"w{i:02d}" for i in range(N) if i % 3 == 1 and i % 2 == 0 and i != 4]  # w04: 3 free
     page = sdk.workers(limit=2, cursor="w20")
     assert [w["id"] for w in page["items"]] == ["w21", "w22"] and page["next_cursor"] is None
+
+
+def test_the_cli_lists_every_worker_the_filters_pass(client, pool, capsys):
+    from service.cli import main as cli
+
+    def listed(*argv: str) -> list[str]:
+        sdk = Client("http://testserver", token="unused")
+        sdk.http = client
+        args = cli.build_parser().parse_args(["workers", "--json", *argv])
+        assert args.remote(args, sdk) == 0
+        return [w["id"] for w in json.loads(capsys.readouterr().out)["items"]]
+
+    assert listed() == [f"w{i:02d}" for i in range(N)]
+    assert listed("--state", "lost", "--state", "draining") == ["w03", "w05"]
+    assert listed("--label", "zone=b", "--label", "gpu=h100", "--free", "4") == ["w10", "w16", "w22"]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["workers", "--label", "zone"])

@@ -118,7 +118,16 @@ def cmd_stacks(args, client: Client) -> int:
 
 
 def cmd_workers(args, client: Client) -> int:
-    return tables.answer(client.workers(), args.json, tables.workers_table, to=console)
+    """Every worker that passes the filters (the SDK follows the API's pages)."""
+    labels = dict(label.split("=", 1) for label in args.label or [])
+    page = client.workers(args.state, labels=labels, min_free_devices=args.free)
+    return tables.answer(page, args.json, tables.workers_table, to=console)
+
+
+def label_pair(text: str) -> str:
+    if "=" not in text or text.startswith("="):
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return text
 
 
 def cmd_logs(args, client: Client) -> int:
@@ -321,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     logs.set_defaults(remote=cmd_logs)
     workers = sub.add_parser("workers", help="the workers: state, slots, labels, current job, last heartbeat")
     workers.add_argument("--json", action="store_true", help="the list as the API returns it")
+    workers.add_argument("--state", action="append", choices=("idle", "busy", "draining", "lost"),
+                         help="only workers in this state (repeatable: any of them)")
+    workers.add_argument("--label", action="append", type=label_pair, metavar="K=V",
+                         help="only workers with this label (repeatable: every one)")
+    workers.add_argument("--free", type=int, metavar="N", help="only workers with at least N devices free")
     workers.set_defaults(remote=cmd_workers)
     run_cli.register(sub)
     experiments_cli.register(sub)
