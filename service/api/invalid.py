@@ -54,7 +54,10 @@ def one_per_field(errors: list[dict], body: Any) -> list[dict]:
     out: list[dict] = []
     for error in errors:
         loc = list(error.get("loc") or [])
-        plain = [loc[0], *without_branches(loc[1:], body)] if loc[:1] == ["body"] and body is not None else loc
+        # The strict-JSON check's errors name the body's own keys (service/api/strict_json.py): no branch in them.
+        raw = error.get("type") == "finite_number"
+        plain = [loc[0], *without_branches(loc[1:], body)] if loc[:1] == ["body"] and body is not None and not raw \
+            else loc
         if plain == loc:
             out.append(error)
             continue
