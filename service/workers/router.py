@@ -26,7 +26,7 @@ def list_workers(
     label: Annotated[list[str] | None, Query(description="key=value, every one (repeatable)")] = None,
     min_free_devices: Annotated[int | None, Query(ge=1, le=4096, description="workers with at least this many "
                                                   "devices healthy and held by no job")] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(min_length=1, max_length=256,
                                         description="the last page's next_cursor")] = None,
 ) -> Response:
