@@ -37,6 +37,14 @@ class Settings(BaseSettings):
     # script) push queue entries; the API and workers say so at start (service/redis_auth.py).
     redis_password_file: Path | None = None
     api_url: str = "http://127.0.0.1:8000"
+    # A worker that joins the pool through the API (issue 42): its registration and heartbeat go to this URL with
+    # a worker credential of its own, got once for the join token (`trainjobs worker --api URL --join-token T`).
+    worker_api: str | None = Field(None, description="the API a worker joins (its registration and heartbeat go "
+                                   "there, with a credential of its own); unset: it writes the database itself")
+    worker_join_token: str | None = Field(None, repr=False, description="the join token an admin made "
+                                          "(`trainjobs worker-token create`), exchanged once for a credential")
+    worker_credential_file: Path | None = Field(None, description="where a joined worker keeps its credential "
+                                                "(0600); default: <secrets_dir>/worker-credential.json")
     token: str | None = Field(None, repr=False, description="the CLI's API token (else the admin token file)")
     # The service's own secrets (the admin token file): never inside a folder a job is handed (the data dir,
     # storage, scripts), so neither a link out of a job's folder nor a volume shared with workers reaches it.

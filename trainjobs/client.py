@@ -615,6 +615,24 @@ class Client:
     def revoke_token(self, token_id: str) -> dict:
         return self._call("DELETE", f"/v1/tokens/{token_id}").json()
 
+    def create_join_token(self, **fields) -> dict:
+        """A join token for new machines (admins; fields: expires_in_s, uses): its `token` shown once."""
+        return self._call("POST", "/v1/worker-tokens", json=fields).json()
+
+    def join_tokens(self) -> "list[dict]":
+        return self._call("GET", "/v1/worker-tokens").json()
+
+    def revoke_join_token(self, token_id: str) -> dict:
+        return self._call("DELETE", f"/v1/worker-tokens/{token_id}").json()
+
+    def runners(self) -> "list[dict]":
+        """The machines that joined the pool, by their credentials (admins)."""
+        return self._call("GET", "/v1/runners").json()
+
+    def revoke_runner(self, runner: str) -> "list[dict]":
+        """The machine's credential revoked: its worker hands its jobs back and stops (admins)."""
+        return self._call("POST", f"/v1/runners/{runner}/revoke").json()
+
     def create_webhook(self, url: str, **fields) -> dict:
         """A webhook for your jobs' events (fields: events, secret, format, all_users); its `secret` shown once."""
         return self._call("POST", "/v1/webhooks", json={"url": url, **fields}).json()

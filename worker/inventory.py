@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+import httpx
 import psutil
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -20,8 +21,8 @@ from service.db import UNREACHABLE
 from service.scheduling.placement import Device, Machine, nvlink_island
 from service.settings import Settings
 from service.workers import fit
-from service.workers import service as workers
 from worker import devices
+from worker.control import ApiControl, Control, DatabaseControl, Revoked
 
 log = logging.getLogger(__name__)
 
@@ -202,23 +203,26 @@ class GpuHealth:
         return machine
 
 
-def register(sessions: sessionmaker[Session], *, offer: Offer) -> None:
-    with sessions() as db:
-        workers.register(db, worker_id=offer.id, host=offer.host, address=offer.address, device=offer.device,
-                         slots=offer.slots, memory_bytes=offer.memory_bytes,
-                         host_memory_bytes=offer.host_memory_bytes, labels=offer.labels, max_jobs=offer.max_jobs,
-                         devices=devices.as_rows(offer.machine) if offer.machine else None)
-        db.commit()
+def inventory_of(offer: Offer) -> dict:
+    """What a worker registers: its row (service/workers/service.py register; the API's /v1/worker/register)."""
+    return {"worker_id": offer.id, "host": offer.host, "address": offer.address, "device": offer.device,
+            "slots": offer.slots, "memory_bytes": offer.memory_bytes, "host_memory_bytes": offer.host_memory_bytes,
+            "labels": offer.labels, "max_jobs": offer.max_jobs,
+            "devices": devices.as_rows(offer.machine) if offer.machine else None}
 
 
-def start_heartbeat(sessions: sessionmaker[Session], *, offer: Offer, every_s: float,
-                    draining: Callable[[], bool], pressure: Callable[[], str | None] = lambda: None
-                    ) -> Callable[[], None]:
+def start_heartbeat(control: Control | sessionmaker[Session], *, offer: Offer, every_s: float,
+                    draining: Callable[[], bool], pressure: Callable[[], str | None] = lambda: None,
+                    on_revoked: Callable[[str], None] | None = None) -> Callable[[], None]:
     """Register now, renew last_seen every every_s from a daemon thread; returns the stop function (deregisters).
+    `control`: the database (a sessionmaker) or the API (worker/control.py); a credential the API refuses calls
+    on_revoked (the worker then hands its jobs back and stops).
 
     On GPUs each beat (at most every devices.HEALTH_EVERY_S) re-reads their health, and stores their rows when it
     changed: /v1/workers then shows the GPU `unhealthy`, with why, and placement leaves it out."""
-    register(sessions, offer=offer)
+    if not isinstance(control, (DatabaseControl, ApiControl)):
+        control = DatabaseControl(control)
+    control.register(inventory_of(offer))
     name = offer.id
     stopped = threading.Event()
     health = GpuHealth(offer.machine)
@@ -230,15 +234,18 @@ def start_heartbeat(sessions: sessionmaker[Session], *, offer: Offer, every_s: f
                 if (machine := health.changed()) is not None:
                     offer = dataclasses.replace(offer, machine=machine)
                     health.pending = devices.as_rows(machine)
-                with sessions() as db:
-                    found = workers.beat(db, worker_id=name, draining=draining(), pressure=pressure(),
-                                         devices=health.pending)
-                    db.commit()
+                found = control.beat(worker_id=name, draining=draining(), pressure=pressure(), devices=health.pending)
                 health.pending = None
                 if not found:  # pruned while we were cut off: come back
-                    register(sessions, offer=offer)
-            except Exception as exc:  # noqa: BLE001 - a database blip: the next beat tries again
-                outage = isinstance(exc, UNREACHABLE)  # the cause is known: no traceback every beat
+                    control.register(inventory_of(offer))
+            except Revoked as exc:
+                log.error("worker %s: the API refused this machine's credential (%s): handing its jobs back and "
+                          "stopping", name, exc)
+                if on_revoked is not None:
+                    on_revoked(str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - a database or API blip: the next beat tries again
+                outage = isinstance(exc, (*UNREACHABLE, httpx.TransportError))  # known: no traceback every beat
                 log.warning("worker heartbeat failed (%s); retrying in %.1fs", type(exc).__name__, every_s,
                             exc_info=not outage)
 
@@ -246,9 +253,7 @@ def start_heartbeat(sessions: sessionmaker[Session], *, offer: Offer, every_s: f
         stopped.set()
         thread.join(timeout=5)
         try:
-            with sessions() as db:
-                workers.remove(db, worker_id=name)
-                db.commit()
+            control.remove(name)
         except Exception:  # noqa: BLE001 - the row then shows as lost, and is pruned later
             log.warning("could not remove worker %s from the workers table", name, exc_info=True)
 

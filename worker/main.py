@@ -25,7 +25,7 @@ from service.settings import get_settings
 from service.storage import check_store
 from service.undumpable import make_undumpable
 from trainjobs.runenv import PREEMPT_SIGNAL
-from worker import processes, sandbox
+from worker import control, processes, sandbox
 from worker.agent import request_preemption
 from worker.dispatch import Chooser, FittingQueue
 from worker.inventory import DiskWatch, probe, start_heartbeat
@@ -128,7 +128,8 @@ class PreemptingWorker(Worker):
 
 
 def main(burst: bool = False, *, slots: int | None = None, device: str | None = None,
-         labels: list[str] | None = None, address: str | None = None) -> None:
+         labels: list[str] | None = None, address: str | None = None, api: str | None = None,
+         join_token: str | None = None) -> None:
     """Flags override the environment (TRAINJOBS_WORKER_SLOTS, _DEVICE, _LABELS, _ADDRESS), then detection."""
     # First: this process and its work-horses (forks) hold the database and Redis URLs, and the ranks of an
     # entrypoint job are their descendants with the same uid (service/undumpable.py).
@@ -136,7 +137,8 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     if not make_undumpable():
         logging.getLogger(__name__).warning("could not make the worker undumpable: jobs of its uid can read "
                                             "its environment (the database URL) from /proc")
-    for key, value in (("SLOTS", slots), ("DEVICE", device), ("ADDRESS", address)):
+    for key, value in (("SLOTS", slots), ("DEVICE", device), ("ADDRESS", address), ("API", api),
+                       ("JOIN_TOKEN", join_token)):
         if value is not None:
             os.environ[f"TRAINJOBS_WORKER_{key}"] = str(value)
     if labels:
@@ -144,8 +146,12 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     get_settings.cache_clear()  # the work-horses read the same, through the environment
     settings = get_settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runner = control.runner_name()  # before the default name below: a joined machine's name in the pool
     name = os.environ.get("TRAINJOBS_WORKER_NAME") or f"{socket.gethostname()}-{os.getpid()}"
     os.environ["TRAINJOBS_WORKER_NAME"] = name
+    # Issue 42: a worker that joins through the API registers and beats there, with a credential of its own.
+    own = control.joined(settings, runner=runner) if settings.worker_api else None
+    os.environ.pop("TRAINJOBS_WORKER_JOIN_TOKEN", None)  # spent: not for the work-horses
     support = sandbox.detect(settings)
     try:
         sandbox.check_start(settings, support)
@@ -187,8 +193,11 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     def draining() -> bool:
         return lanes.draining if lanes else bool(current) and current[0].draining
 
-    stop_heartbeat = start_heartbeat(sessions, offer=offer, every_s=settings.heartbeat_s, draining=draining,
-                                     pressure=disk.pressure)
+    def revoked(_why: str) -> None:  # as a shutdown: its jobs handed back, checkpointed, then it stops
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    stop_heartbeat = start_heartbeat(own or sessions, offer=offer, every_s=settings.heartbeat_s, draining=draining,
+                                     pressure=disk.pressure, on_revoked=revoked)
     try:
         if lanes is None:
             serve(make_worker, burst=burst)
@@ -325,8 +334,13 @@ def add_offer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"])
     parser.add_argument("--label", action="append", metavar="K=V", help="a label jobs select with resources.selector")
     parser.add_argument("--address", help="how other nodes reach this one (a gang's rendezvous)")
+    parser.add_argument("--api", metavar="URL", help="join the pool through this API: registration and heartbeat "
+                        "go there with this machine's own credential (TRAINJOBS_WORKER_API)")
+    parser.add_argument("--join-token", metavar="T", help="an admin's join token (trainjobs worker-token create), "
+                        "exchanged once for the credential (TRAINJOBS_WORKER_JOIN_TOKEN)")
 
 
 if __name__ == "__main__":
     args = parse_args()
-    main(burst=args.burst, slots=args.slots, device=args.device, labels=args.label, address=args.address)
+    main(burst=args.burst, slots=args.slots, device=args.device, labels=args.label, address=args.address,
+         api=args.api, join_token=args.join_token)

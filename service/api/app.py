@@ -43,6 +43,8 @@ from service.storage import check_store
 from service.sweeps.router import router as sweeps_router
 from service.webhooks.delivery import Deliverer
 from service.webhooks.router import router as webhooks_router
+from service.workers.protocol import admin_router as worker_admin_router
+from service.workers.protocol import router as worker_router
 from service.workers.router import router as workers_router
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = make_sessionmaker(app.state.engine)
     app.state.redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
     app.state.principals = PrincipalCache(app.state.redis, f"{settings.queue_prefix}:auth:epoch")
+    app.state.runners = {}  # worker credentials seen lately (service/workers/protocol.py)
     app.state.job_bodies = RenderedJobs()
     app.state.job_needs = {}  # job id → scheduling.Req: put by admission, read by this process's sweeper
     app.state.admitter = Admitter(settings, app.state.sessionmaker, app.state.redis, app.state.job_bodies,
@@ -137,9 +140,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Every /v1 route needs a token, whether or not its own signature asks for the principal, and takes only
     # finite numbers in its body (strict JSON).
     for router in (jobs_router, metrics_router, logs_router, artifacts_router, plan_router, events_router,
-                   auth_router, workers_router, scheduling_router, webhooks_router, sweeps_router):
+                   auth_router, workers_router, scheduling_router, webhooks_router, sweeps_router,
+                   worker_admin_router):
         app.include_router(router, dependencies=[Depends(current_principal), Depends(refuse_non_finite)],
                            responses=responses(401, 422))
+    # The worker protocol (issue 42): a worker's own credential, checked by each route (a join token for /join);
+    # a user's token is no worker's.
+    app.include_router(worker_router, dependencies=[Depends(refuse_non_finite)], responses=responses(401, 403, 422))
     # A package's body is a .tar.gz streamed to disk under its own cap (service/packages/service.py): no JSON.
     app.include_router(packages_router, dependencies=[Depends(current_principal)], responses=responses(401, 422))
     install_prometheus(app)

@@ -20,6 +20,7 @@ from service.cli import experiments as experiments_cli
 from service.cli import files, ids, tables
 from service.cli import gc as gc_cli
 from service.cli import jobs as jobs_cli
+from service.cli import joins as joins_cli
 from service.cli import login as login_cli
 from service.cli import pool as pool_cli
 from service.cli import run as run_cli
@@ -254,7 +255,8 @@ def cmd_worker(args, settings: Settings) -> int:
 
     # By name, so that importing service never imports worker/ (the control plane never imports torch).
     importlib.import_module("worker.main").main(burst=args.burst, slots=args.slots, device=args.device,
-                                                labels=args.label, address=args.address)
+                                                labels=args.label, address=args.address, api=args.api,
+                                                join_token=args.join_token)
     return 0
 
 
@@ -340,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiments_cli.register(sub)
     sweeps_cli.register(sub)
     auth_cli.register(sub)
+    joins_cli.register(sub)
     gc_cli.register(sub)
     pool_cli.register(sub)
     webhooks_cli.register(sub)

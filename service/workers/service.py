@@ -19,14 +19,14 @@ PRUNE_AFTER_S = 3600.0  # a lost worker stays listed (as lost) this long, then i
 
 def register(db: Session, *, worker_id: str, host: str, address: str, device: str, slots: int,
              memory_bytes: int | None, host_memory_bytes: int | None, labels: dict[str, str], max_jobs: int = 1,
-             devices: list[dict] | None = None) -> None:
+             devices: list[dict] | None = None, runner: str | None = None) -> None:
     """Insert or refresh this worker's row. A restart under the same name keeps the holds of attempts still
     active (a worker back after an outage runs them yet) and drops the rest. The caller commits."""
     now = utcnow()
     db.merge(Worker(id=worker_id, host=host, address=address, device=device, slots=slots, busy_slots=0,
                     memory_bytes=memory_bytes, host_memory_bytes=host_memory_bytes, labels=labels,
                     state="idle", current_job=None, started_at=now, last_seen=now, max_jobs=max_jobs,
-                    devices=devices))
+                    devices=devices, runner=runner))
     db.flush()
     holds.sweep(db, worker_id=worker_id)
     holds.sync_worker(db, worker_id=worker_id)
@@ -66,6 +66,10 @@ def release(db: Session, *, worker_id: str, job_id: str, node_rank: int | None =
 def device_rows(db: Session, *, worker_id: str) -> list[dict]:
     """Its devices as its heartbeat last reported them (their health included); [] without a row."""
     return db.scalar(select(Worker.devices).where(Worker.id == worker_id)) or []
+
+
+def exists(db: Session, *, worker_id: str) -> bool:
+    return db.scalar(select(Worker.id).where(Worker.id == worker_id)) is not None
 
 
 def remove(db: Session, *, worker_id: str) -> None:

@@ -1,0 +1,119 @@
+"""A machine joins the pool with a credential of its own (issue 42, first step of the worker protocol): an admin's
+join token is exchanged once for a worker credential; the worker registers and beats through the API with it;
+it is refused on every user route, a user's token is refused on the worker's, a worker acts only on its own rows,
+and a revoked credential stops its worker, which hands its job back."""
+
+import psutil
+
+from tests.conftest import mlp_spec
+from tests.helpers import live_stack, stack_cli, wait_for
+
+INVENTORY = {"host": "gpu-7", "address": "10.0.0.7", "device": "cpu", "slots": 2, "memory_bytes": 2**30,
+             "host_memory_bytes": 2**32, "labels": {"rack": "a"}, "max_jobs": 1}
+
+
+def join_token(client, **body) -> str:
+    response = client.post("/v1/worker-tokens", json=body)
+    assert response.status_code == 201, response.text
+    assert response.json()["token"].startswith("tjj_")
+    return response.json()["token"]
+
+
+def join(client, token: str, runner: str) -> dict:
+    return client.post("/v1/worker/join", json={"runner": runner}, headers={"Authorization": f"Bearer {token}"})
+
+
+def as_worker(credential: str) -> dict:
+    return {"Authorization": f"Bearer {credential}"}
+
+
+def test_a_join_token_is_spent_by_its_uses_and_gives_each_machine_one_credential(client):
+    token = join_token(client, uses=2, expires_in_s=3600)
+    first = join(client, token, "gpu-7")
+    assert first.status_code == 201 and first.json()["credential"].startswith("tjw_")
+    again = join(client, token, "gpu-7")  # the same machine joining again: its first credential is revoked
+    assert again.status_code == 201
+    spent = join(client, token, "gpu-8")
+    assert spent.status_code == 401 and "join token" in spent.json()["detail"]
+    beat = {"worker_id": "gpu-7-1", "draining": False}
+    assert client.post("/v1/worker/heartbeat", json=beat,
+                       headers=as_worker(first.json()["credential"])).status_code == 401
+    assert client.post("/v1/worker/heartbeat", json=beat,
+                       headers=as_worker(again.json()["credential"])).json() == {"registered": False}
+    listed = client.get("/v1/runners").json()
+    assert [(r["runner"], r["revoked_at"] is not None) for r in listed] == [("gpu-7", True), ("gpu-7", False)]
+    assert "token" not in client.get("/v1/worker-tokens").json()[0] or \
+        client.get("/v1/worker-tokens").json()[0]["token"] is None  # the secret is shown once
+
+
+def test_a_worker_credential_opens_no_user_route_and_a_user_token_no_worker_route(client):
+    credential = join(client, join_token(client), "gpu-7").json()["credential"]
+    for path in ("/v1/jobs", "/v1/workers", "/v1/me", "/v1/runners"):
+        answer = client.get(path, headers=as_worker(credential))
+        assert answer.status_code == 401, (path, answer.text)
+    refused = client.post("/v1/worker/register", json={"worker_id": "gpu-7-1", **INVENTORY})  # the admin's token
+    assert refused.status_code == 401 and "worker's credential" in refused.json()["detail"]
+    assert client.post("/v1/worker/join", json={"runner": "gpu-9"}).status_code == 401  # a user's token joins nothing
+    user = client.post("/v1/tokens", json={"name": "u", "user": "alice"}).json()["token"]
+    made = client.post("/v1/worker-tokens", json={}, headers={"Authorization": f"Bearer {user}"})
+    assert made.status_code == 403
+
+
+def test_a_worker_registers_and_beats_only_its_own_rows(client):
+    credential = join(client, join_token(client), "gpu-7").json()["credential"]
+    other = join(client, join_token(client), "gpu-8").json()["credential"]
+    assert client.post("/v1/worker/register", json={"worker_id": "gpu-7-41", **INVENTORY},
+                       headers=as_worker(credential)).status_code == 204
+    row = next(w for w in client.get("/v1/workers").json()["items"] if w["id"] == "gpu-7-41")
+    assert row["host"] == "gpu-7" and row["labels"]["rack"] == "a"
+    beat = client.post("/v1/worker/heartbeat", json={"worker_id": "gpu-7-41", "pressure": "disk 95% full"},
+                       headers=as_worker(credential))
+    assert beat.json() == {"registered": True}
+    for worker_id in ("gpu-7-41", "gpu-70-1"):  # another runner's row; a name that is not its own
+        refused = client.post("/v1/worker/heartbeat", json={"worker_id": worker_id}, headers=as_worker(other))
+        assert refused.status_code == 403 and refused.json()["field"] == "worker_id", refused.text
+    assert client.delete("/v1/worker/workers/gpu-7-41", headers=as_worker(other)).status_code == 403
+    assert client.delete("/v1/worker/workers/gpu-7-41", headers=as_worker(credential)).status_code == 204
+    assert all(w["id"] != "gpu-7-41" for w in client.get("/v1/workers").json()["items"])
+
+
+def test_bad_input_to_the_worker_routes_names_the_field(client):
+    credential = join(client, join_token(client), "gpu-7").json()["credential"]
+    bad = client.post("/v1/worker/register", json={"worker_id": "gpu-7-1", **INVENTORY, "slots": 0},
+                      headers=as_worker(credential))
+    assert bad.status_code == 422 and "slots" in bad.text
+    assert join(client, join_token(client), "../etc").status_code == 422
+    assert client.post("/v1/worker-tokens", json={"expires_in_s": 5}).status_code == 422
+    assert client.post("/v1/runners/nobody/revoke").status_code == 404
+
+
+def test_a_joined_worker_runs_jobs_and_a_revoked_one_hands_its_job_back_and_stops(postgres_url, tmp_path):
+    with live_stack(postgres_url, tmp_path / "stack", name="join", workers=0) as stack:
+        trainjobs = stack_cli(stack, cwd=tmp_path, config=tmp_path / "config.toml")
+        with stack.client(timeout=10) as api:
+            made = trainjobs("worker-token", "create", "--uses", "1", "--expires", "1h")  # an admin, as a user would
+            assert made.returncode == 0 and "shown only now" in made.stderr, made.stderr
+            token = made.stdout.strip()
+            env = {"TRAINJOBS_WORKER_API": stack.api_url, "TRAINJOBS_WORKER_JOIN_TOKEN": token,
+                   "TRAINJOBS_WORKER_NAME": "gpu-7", "TRAINJOBS_WORKER_CREDENTIAL_FILE": str(tmp_path / "cred")}
+            stack.add_workers(1, env=env)
+            wait_for(lambda: any(w["id"] == "gpu-7" for w in api.get("/v1/workers").json()["items"]), 60,
+                     what="the joined worker to register through the API")
+            assert (tmp_path / "cred").stat().st_mode & 0o777 == 0o600
+            slow = mlp_spec(train={"max_steps": 100_000, "log_every": 50, "seed": 0, "checkpoint_every": 50})
+            job_id = api.post("/v1/jobs", json=slow).json()["id"]
+            wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["status"] == "running", 120, what="it to run")
+            [worker] = [p for p in stack_workers(stack)]
+            revoked = trainjobs("runner", "revoke", "gpu-7")
+            assert revoked.returncode == 0 and "hands its jobs back" in revoked.stderr, revoked.stderr
+            wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 60,
+                     what="the revoked worker to stop")
+            job = api.get(f"/v1/jobs/{job_id}").json()
+            assert job["status"] == "queued", job  # handed back, its retries unspent
+            [row] = [w for w in api.get("/v1/workers").json()["items"] if w["id"] == "gpu-7"]
+            assert row["state"] in ("draining", "lost"), row  # no job is placed on it again
+            api.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def stack_workers(stack) -> list[psutil.Process]:
+    return [psutil.Process(p.pid) for name, p in stack.procs if name.startswith("worker")]
