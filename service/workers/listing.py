@@ -9,7 +9,7 @@ as a JSON array: PostgreSQL's `json_array_elements` and SQLite's `json_each` are
 from datetime import datetime, timedelta
 from typing import Literal
 
-from sqlalchemy import ColumnElement, Integer, Row, Select, and_, case, false, func, or_, select, type_coerce
+from sqlalchemy import ColumnElement, Integer, Row, Select, Text, and_, case, cast, func, or_, select, type_coerce
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
@@ -46,9 +46,12 @@ def state_is(state: WorkerState, *, since: datetime) -> ColumnElement[bool]:
 
 
 def free_devices(dialect: str, *, now: datetime, live_held: ColumnElement[int]) -> ColumnElement[int]:
-    """A worker's devices that are healthy and held by no live hold, given its count of live holds: its healthy
-    devices, plus its unhealthy ones that a live hold takes (looked up for those only: they are rare), less its
-    live holds. A worker that lists no devices (of an earlier version): its slots less its busy ones."""
+    """A worker's devices that are healthy and held by no live hold, given its count of live holds.
+
+    Where no device can be unhealthy (its rows' text has no `false`: `healthy` is true or absent), that is its
+    devices less its live holds, and its rows are not parsed one by one. Else, row by row: its healthy devices,
+    plus its unhealthy ones that a live hold takes (looked up for those alone), less its live holds. A worker that
+    lists no devices (of an earlier version): its slots less its busy ones."""
     if dialect == "postgresql":
         rows = func.json_array_elements(Worker.devices).table_valued("value").alias("d")
         value = type_coerce(rows.c.value, postgresql.JSON)
@@ -64,19 +67,16 @@ def free_devices(dialect: str, *, now: datetime, live_held: ColumnElement[int]) 
     counted = (select(func.sum(case((healthy, 1), (held, 1), else_=0))).select_from(rows).correlate(Worker)
                .scalar_subquery())
     return case((Worker.devices.is_(None), Worker.slots - Worker.busy_slots),
+                (cast(Worker.devices, Text).not_like("%false%"), func.json_array_length(Worker.devices) - live_held),
                 else_=func.coalesce(counted, 0) - live_held)
 
 
 def with_free_devices(query: Select, dialect: str, *, now: datetime, at_least: int) -> Select:
-    """`query`'s workers with `at_least` free devices, counting the pool's live holds once (one join): a bound
-    first (no more free devices than devices less live holds), which most workers of a busy pool fail, then
-    `free_devices` for those within it."""
+    """`query`'s workers with `at_least` free devices, their live holds counted for the whole pool in one join."""
     live = (select(Hold.worker_id, func.count().label("held")).select_from(holds.joined())
             .where(holds.live_clause(now)).group_by(Hold.worker_id).subquery("live"))
-    held = func.coalesce(live.c.held, 0)
-    bound = func.coalesce(func.json_array_length(Worker.devices), Worker.slots) - held >= at_least
-    exact = free_devices(dialect, now=now, live_held=held) >= at_least
-    return query.outerjoin(live, live.c.worker_id == Worker.id).where(case((bound, exact), else_=false()))
+    free = free_devices(dialect, now=now, live_held=func.coalesce(live.c.held, 0))
+    return query.outerjoin(live, live.c.worker_id == Worker.id).where(free >= at_least)
 
 
 def page(db: Session, *, lost_after_s: float, limit: int, cursor: str | None = None,
