@@ -22,7 +22,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
-from sqlalchemy import delete, text, update
+from sqlalchemy import create_engine, delete, text, update
 from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -75,26 +75,43 @@ def shape(sessions, n: int) -> dict[str, int]:
     return counts
 
 
-def sweeper_cores(api_pid: int, seconds: float = 4.0) -> float:
-    """The API process's CPU with no read (its sweeper's), in cores: taken off what the reads cost."""
-    cpu, t = cpu_s(api_pid), time.monotonic()
+def cpu_of(pids: list[int]) -> float:
+    return sum(cpu_s(pid) for pid in pids)
+
+
+def api_backends(url: str) -> list[int]:
+    """The PostgreSQL backends of the bench's database but this one's: the API's (its pool, its sweeper's)."""
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        pids = list(conn.scalars(text("SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND "
+                                      "backend_type = 'client backend' AND pid <> pg_backend_pid()")))
+    engine.dispose()
+    return pids
+
+
+def idle_cores(groups: list[list[int]], seconds: float = 4.0) -> list[float]:
+    """Each group's CPU with no read (the API's sweeper, in the API and in PostgreSQL), in cores: taken off what
+    the reads cost."""
+    cpu, t = [cpu_of(g) for g in groups], time.monotonic()
     time.sleep(seconds)
-    return (cpu_s(api_pid) - cpu) / (time.monotonic() - t)
+    return [(cpu_of(g) - c) / (time.monotonic() - t) for g, c in zip(groups, cpu, strict=True)]
 
 
-def timed(client: httpx.Client, reads: int, params: dict, api_pid: int, idle: float) -> tuple[list[float], float,
-                                                                                              int, int]:
-    """`reads` sequential GETs of the first page: seconds each, the API's CPU seconds a read (wall time on this
-    shared machine is mostly waiting for a core; CPU is what a read costs), the body's bytes and its workers."""
+def timed(client: httpx.Client, reads: int, params: dict, groups: list[list[int]], idle: list[float]
+          ) -> tuple[list[float], list[float], int, int]:
+    """`reads` sequential GETs of the first page: seconds each; the CPU seconds a read of each group of pids (the
+    API process, its PostgreSQL backends: wall time on this shared machine is mostly waiting for a core, CPU is
+    what a read costs); the body's bytes and its workers."""
     client.get("/v1/workers", params=params).raise_for_status()  # warm
-    took, cpu, t0 = [], cpu_s(api_pid), time.monotonic()
+    took, cpu, t0 = [], [cpu_of(g) for g in groups], time.monotonic()
     for _ in range(reads):
         t = time.perf_counter()
         r = client.get("/v1/workers", params=params)
         took.append(time.perf_counter() - t)
         r.raise_for_status()
-    spent = cpu_s(api_pid) - cpu - idle * (time.monotonic() - t0)
-    return took, max(0.0, spent) / reads, len(r.content), len(r.json()["items"])
+    wall = time.monotonic() - t0
+    spent = [max(0.0, cpu_of(g) - c - i * wall) / reads for g, c, i in zip(groups, cpu, idle, strict=True)]
+    return took, spent, len(r.content), len(r.json()["items"])
 
 
 def walk(client: httpx.Client) -> tuple[float, int, int]:
@@ -129,28 +146,30 @@ def main(argv: list[str] | None = None) -> None:
     with sessions() as db:
         _row, user_token = tokens.create(db, name="bench-user", user="user00")  # owns 1/20 of the running jobs
         db.commit()
+    engine.dispose()  # the bench's connections closed: the database's other backends are the API's
     rows = []
     with bench_stack(workers=0, database_url=args.url, lease_s=LEASE_S) as (stack, api), \
             httpx.Client(base_url=stack.api_url, timeout=120,
                          headers={"Authorization": f"Bearer {user_token}"}) as user:
         api.timeout = httpx.Timeout(120)
-        api_pid = dict(stack.procs)["api"].pid
         api.get("/v1/workers").raise_for_status()
-        idle = sweeper_cores(api_pid)
+        user.get("/v1/workers", params=FILTER).raise_for_status()
+        groups = [[dict(stack.procs)["api"].pid], api_backends(args.url)]
+        idle = idle_cores(groups)
         for name, client, params in (("first page", api, {}), ("filtered: " + "&".join(
                 f"{k}={v}" for k, v in FILTER.items()), api, FILTER), ("a user's first page", user, {})):
-            took, cpu, size, items = timed(client, args.reads, params, api_pid, idle)
+            took, cpu, size, items = timed(client, args.reads, params, groups, idle)
             rows.append((name, percentile(took, 0.5), percentile(took, 0.99), cpu, size, items))
-            print(f"  {name}: p50 {rows[-1][1] * 1000:.1f} ms, p99 {rows[-1][2] * 1000:.1f} ms, API CPU "
-                  f"{cpu * 1000:.1f} ms a read, {size / 1000:.0f} kB, {items} workers", flush=True)
+            print(f"  {name}: p50 {rows[-1][1] * 1000:.1f} ms, p99 {rows[-1][2] * 1000:.1f} ms, CPU a read: API "
+                  f"{cpu[0] * 1000:.1f} ms, PostgreSQL {cpu[1] * 1000:.1f} ms; {size / 1000:.0f} kB, {items} workers",
+                  flush=True)
         took, calls, seen = walk(api)
         print(f"  every page: {took * 1000:.0f} ms, {calls} calls, {seen} workers", flush=True)
-    engine.dispose()
-    print(f"\nthe API's sweeper, no read: {idle:.2f} cores (taken off the CPU a read)")
-    print("| read | p50 | p99 | API CPU a read | body | workers |\n| --- | --- | --- | --- | --- | --- |")
+    print(f"\nthe API's sweeper, no read: {idle[0]:.2f} cores in the API, {idle[1]:.2f} in PostgreSQL (taken off)")
+    print("| read | p50 | p99 | CPU a read: API · PostgreSQL | body | workers |\n| --- | --- | --- | --- | --- | --- |")
     for name, p50, p99, cpu, size, items in rows:
-        print(f"| {name} | {p50 * 1000:.1f} ms | {p99 * 1000:.1f} ms | {cpu * 1000:.1f} ms | {size / 1000:.0f} kB "
-              f"| {items} |")
+        print(f"| {name} | {p50 * 1000:.1f} ms | {p99 * 1000:.1f} ms | {cpu[0] * 1000:.1f} · {cpu[1] * 1000:.1f} ms "
+              f"| {size / 1000:.0f} kB | {items} |")
     print(f"| every page (following next_cursor) | {took * 1000:.0f} ms ({calls} calls) | | | | {seen} |")
 
 
