@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import repeat
 from pathlib import Path
 
 from sqlalchemy.orm import Session
@@ -190,6 +191,12 @@ class LogShipper:
         head_open = not (self.pending.endswith("\n") if self.pending else self._at_line_start)
         return ("\n" if head_open else "") + marker + self.redact(text)
 
+    @property
+    def news(self) -> bool:
+        """Whether write() has anything to store (staged output, or the tail once the run has ended)."""
+        self._split_head()
+        return bool(self.pending) or (self.truncated and self._ending and bool(self._tail or self._cut))
+
     def write(self, db: Session) -> None:
         self._split_head()
         text = self.pending
@@ -290,6 +297,7 @@ class MetricTail:
         self._timed = False  # the built-in runtime reports step_time_s; a user's script usually does not
         self.counts = Counts()
         self._staged = (Counts(), set(), 0, 0)  # this write's counts, new names, points, rows
+        self._rows: list[tuple[int, str, float, datetime]] | None = None  # what stage() read, for write()
         self.more = False  # write() left lines in the file for the next one
         self._skipping = False  # inside a line longer than READ_MAX: its rest is skipped
         self._records = 0  # step records read, for thinning
@@ -312,8 +320,22 @@ class MetricTail:
         return data, max(0, size - self.pos - len(data))  # (the file may have grown since the fstat)
 
     def write(self, db: Session, *, job_id: str, attempt: int, node_rank: int = 0) -> int:
+        """Store the batch stage() read (reading it now if none is staged) in the open transaction; committed()
+        moves on once it is stored. The points written."""
+        if self._rows is None:
+            self.stage()
+        rows, self._rows = self._rows, None
+        return metrics.insert_batch(db, job_id=job_id, attempt=attempt, node_rank=node_rank, rows=rows)
+
+    def stage(self) -> int:
+        """Read and parse the next batch from the file, touching no database: the points write() will store.
+
+        Read again from the last committed position on every call, so a batch whose commit failed is the next
+        one again. A ship with nothing staged (and nothing else new) needs no transaction (worker/attempt/ship.py).
+        """
         data, waiting = self._read()
         counts, new_names, rows = Counts(), set(), []
+        self._rows = rows
         skip = 0
         if self._skipping or (data and b"\n" not in data and len(data) == READ_MAX):  # (the rest of) a huge line
             newline = data.find(b"\n")
@@ -355,27 +377,34 @@ class MetricTail:
                 counts.thinned += len(record["metrics"])
             else:
                 points = self._points(record, counts, new_names, len(rows))
-                rows.extend((step, name, value, datetime.fromtimestamp(record["time"], UTC))
-                            for name, value in points.items())
+                at = datetime.fromtimestamp(record["time"], UTC)
+                rows.extend(zip(repeat(step), points, points.values(), repeat(at)))  # (C-speed: the hot loop)
                 if ranks := {int(n[len(RANK_SERIES):]): v for n, v in points.items()
                              if n.startswith(RANK_SERIES) and n[len(RANK_SERIES):].isdigit()}:
                     self._rank_staged.append(ranks)
                 if "step_time_s" in points:
                     self.last_step_time_s, self._timed = points["step_time_s"], True
-                self.live.update((name, points[name]) for name in LIVE if name in points)
+                for name in LIVE:
+                    if name in points:
+                        self.live[name] = points[name]
             if not self._timed and step > self.last_step and self._last_time is not None:
                 self.last_step_time_s = (record["time"] - self._last_time) / (step - self.last_step)
             self.last_step, self._last_time = step, record["time"]
         self._staged = (counts, new_names, len(rows), records)
-        return metrics.insert_batch(db, job_id=job_id, attempt=attempt, node_rank=node_rank, rows=rows)
+        return len(rows)
 
     def _points(self, record: dict, counts: Counts, new_names: set[str], staged: int) -> dict[str, float]:
         """The record's points that are stored: sanitized, finite, and within the job's caps."""
-        caps, step, points = self.caps, record["step"], {}
+        caps, step, points, names = self.caps, record["step"], {}, self.names
+        room = caps.max_points - self.points - staged  # points this record may still add
         for name, value in record["metrics"].items():
-            # Sanitized here, at the edge: one unstorable value would fail the whole batch on every poll.
-            stored = storable_text(name)
-            counts.renamed += stored != name
+            # A name stored before is storable as it is (and counted): the common case, checked in one lookup.
+            known = name in names and len(name) <= caps.name_max_chars
+            if known:
+                stored = name
+            else:  # sanitized here, at the edge: one unstorable value would fail the whole batch on every poll
+                stored = storable_text(name)
+                counts.renamed += stored != name
             try:
                 value = float(value)
             except OverflowError:  # an integer past any float
@@ -384,24 +413,25 @@ class MetricTail:
                 counts.dropped += 1
                 counts.first_dropped = counts.first_dropped or self.counts.first_dropped or (stored, step, value)
                 continue
-            if len(stored) > caps.name_max_chars:
-                counts.long_names += 1
-                counts.first_long = counts.first_long or stored[:100]
-                continue
-            if stored not in self.names and stored not in new_names:
-                if len(self.names) + len(new_names) >= caps.max_names:
-                    counts.new_names += 1
-                    counts.first_new = counts.first_new or stored
+            if not known:
+                if len(stored) > caps.name_max_chars:
+                    counts.long_names += 1
+                    counts.first_long = counts.first_long or stored[:100]
                     continue
-                new_names.add(stored)
-            if self.points + staged + len(points) >= caps.max_points:
+                if stored not in names and stored not in new_names:
+                    if len(names) + len(new_names) >= caps.max_names:
+                        counts.new_names += 1
+                        counts.first_new = counts.first_new or stored
+                        continue
+                    new_names.add(stored)
+            if len(points) >= room:
                 counts.over_points += 1
                 continue
             points[stored] = value
         return points
 
     def committed(self) -> None:
-        self.pos = self._next_pos
+        self.pos, self._rows = self._next_pos, None
         self.rank_windows.extend(self._rank_staged)
         self._rank_staged = []
         counts, new_names, rows, records = self._staged

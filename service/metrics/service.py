@@ -5,27 +5,61 @@ from datetime import datetime
 from itertools import groupby
 
 from sqlalchemy import delete, func, insert, select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from service.metrics import blocks
 from service.metrics.downsample import downsample
 from service.metrics.models import Metric, MetricBlock
 
+# The columns a point is written with, and their PostgreSQL types for a binary COPY (in this order).
+COPY_COLUMNS = ("job_id", "attempt", "node_rank", "step", "name", "value", "time")
+COPY_TYPES = ("text", "int4", "int4", "int4", "text", "float8", "timestamptz")
+
 
 def insert_batch(
     db: Session, *, job_id: str, attempt: int, rows: Iterable[tuple[int, str, float, datetime]], node_rank: int = 0
 ) -> int:
-    """Insert (step, name, value, time) rows of one node in one statement, and update their block summaries."""
-    values = [
-        {"job_id": job_id, "attempt": attempt, "node_rank": node_rank, "step": step, "name": name, "value": value,
-         "time": t}
-        for step, name, value, t in rows
-    ]
-    if values:
-        db.execute(insert(Metric), values)
-        blocks.record(db, job_id=job_id, node_rank=node_rank,
-                      rows=((v["step"], v["name"], v["value"]) for v in values))
-    return len(values)
+    """Insert (step, name, value, time) rows of one node, and update their block summaries.
+
+    PostgreSQL: one binary COPY (copy_points); SQLite: one executemany. Either in the session's transaction.
+    """
+    rows = rows if isinstance(rows, list) else list(rows)
+    if not rows:
+        return 0
+    if db.get_bind().dialect.name == "postgresql":
+        copy_points(db, job_id=job_id, attempt=attempt, node_rank=node_rank, rows=rows)
+    else:
+        db.execute(insert(Metric), [
+            {"job_id": job_id, "attempt": attempt, "node_rank": node_rank, "step": step, "name": name,
+             "value": value, "time": t} for step, name, value, t in rows])
+    blocks.record(db, job_id=job_id, node_rank=node_rank, rows=((step, name, value) for step, name, value, _ in rows))
+    return len(rows)
+
+
+def copy_points(db: Session, *, job_id: str, attempt: int, node_rank: int,
+                rows: list[tuple[int, str, float, datetime]]) -> None:
+    """The rows by PostgreSQL's COPY on the session's own connection (so in its transaction): per point a few
+    microseconds of the database's CPU, where a multi-row INSERT parses, plans and binds 7 parameters a point.
+
+    NOTE: the driver's connection is reached under SQLAlchemy, which neither sees the statement nor wraps its
+    errors: they are wrapped here as SQLAlchemy would (a lost connection is an OperationalError and is invalidated,
+    data the database refuses a DataError), so callers tell an outage from a refusal as for any statement.
+    """
+    conn = db.connection()
+    statement = f"COPY metrics ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
+    driver = conn.connection.driver_connection  # psycopg 3's Connection, inside the session's transaction
+    try:
+        with driver.cursor() as cursor, cursor.copy(statement) as copy:
+            copy.set_types(COPY_TYPES)
+            for step, name, value, t in rows:
+                copy.write_row((job_id, attempt, node_rank, step, name, value, t))
+    except conn.dialect.loaded_dbapi.Error as exc:
+        lost = conn.dialect.is_disconnect(exc, driver, None)
+        if lost:
+            conn.invalidate(exc)
+        raise DBAPIError.instance(statement, None, exc, conn.dialect.loaded_dbapi.Error,
+                                  connection_invalidated=lost, dialect=conn.dialect) from exc
 
 
 def stored(db: Session, *, job_id: str, node_rank: int = 0) -> tuple[set[str], int]:

@@ -58,6 +58,11 @@ class Shipper:
         self.logs: LogShipper | None = None  # set once the attempt's log is opened (it reads what is stored)
         self.refused = 0  # shipping transactions the database refused in a row
         self._noted: tuple[str | None, float] = (None, -float("inf"))  # the metric caps' note as last stored, when
+        # The progress and resume step as last shipped (written, or left as the job's by a gang's rule), and as
+        # the open transaction ships them: each is written only when it changed, so the job's row (and its ETag)
+        # moves only when the job does.
+        self._shipped: tuple[dict | None, int | None] = (None, None)
+        self._shipping: tuple[dict | None, int | None] = (None, None)
 
     def ship(self, pump: OutputPump | None, *, final: bool = False) -> Shipped:
         """Move new output and metrics to the database, and take in what the lease's last renewal read.
@@ -65,12 +70,19 @@ class Shipper:
         Fenced (lifecycle.still_held): once the sweeper has given the job to a new attempt (this worker was paused
         or cut off past its lease), nothing more is written for this one. What fails to commit is sent again by
         the next call: nothing is dropped, but for a metric batch the database refuses on its own (ship_apart).
+        A ship with nothing new opens no transaction at all: the lease, renewed on its own, is what says the
+        worker is alive (and finds a lost job). A final one (the drain's, once per attempt) always does: the ranks
+        are gone, and the drain waits to see the database take their last output, however long it is away.
         """
         self.lease.tick()
         self.take_held()
         if pump is not None and (output := pump.take()):
             self.logs.stage(output)
             self.watch.output_seen()
+        points = self.metrics.stage()  # the next metric batch, read before any transaction
+        if not final and not self._news(points=points):
+            self.metrics.committed()  # what it read held no point to store (a summary, thinned steps): read
+            return Shipped.STORED
         try:
             shipped = self._commit(lambda db, held: self._write(db, held, final=final)) if not self.refused else \
                 self._ship_apart()
@@ -123,7 +135,16 @@ class Shipper:
         if logs:
             self.logs.committed()
             self.watch.committed()
+            self._shipped = self._shipping
         return Shipped.STORED
+
+    def _news(self, *, points: int) -> bool:
+        """Whether this ship has anything to write: points, output, the watch's findings, a changed progress or
+        resume step, or a metric caps' note that is due."""
+        watch = self.watch
+        return bool(points or self.logs.news or watch.warnings_pending or watch.stacks_pending is not None
+                    or watch.samples_pending or self._note_due(final=False)
+                    or (progress(self.spec, self.metrics), self.metrics.resumed_from_step) != self._shipped)
 
     def drain(self, pump: OutputPump | None) -> None:
         """The ranks are gone: ship until all they wrote is stored, however long the database is out of reach.
@@ -155,23 +176,28 @@ class Shipper:
             self.metrics.write(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
         self.watch.write(db, node_rank=self.node_rank)
         self._note_caps(db, final=final)
-        if self.metrics.resumed_from_step is not None:
+        now = self._shipping = (progress(self.spec, self.metrics), self.metrics.resumed_from_step)
+        (shipped_progress, shipped_resume), (progress_now, resumed) = self._shipped, now
+        if resumed is not None and resumed != shipped_resume:
             records.record_resume(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
-                                  step=self.metrics.resumed_from_step)
+                                  step=resumed)
         # Every node's local rank 0 reports its own series; node 0's is the job's, and its progress once it has
         # reported. Another node's moves progress only when it is ahead: a user's script that reports on global
         # rank 0 alone (RANK == 0) reports from whichever node c10d gave that rank.
-        if (not self.gang or self.metrics.last_step > held.progress_step
-                or (self.node_rank == 0 and self.metrics.last_step > 0)):
-            records.record_progress(db, job_id=self.job_id, attempt=self.attempt,
-                                    progress=progress(self.spec, self.metrics))
+        if progress_now != shipped_progress and (not self.gang or self.metrics.last_step > held.progress_step
+                                                 or (self.node_rank == 0 and self.metrics.last_step > 0)):
+            records.record_progress(db, job_id=self.job_id, attempt=self.attempt, progress=progress_now)
+
+    def _note_due(self, *, final: bool) -> bool:
+        note, (noted, at) = self.metrics.note(), self._noted
+        return note is not None and note != noted and (final or time.monotonic() - at >= NOTE_EVERY_S)
 
     def _note_caps(self, db: Session, *, final: bool) -> None:
         """What the metric caps kept out of the database, as a warning on the job: every NOTE_EVERY_S while it
         changes, and at the end (counted up to the batch before this one: committed counts only)."""
-        note, (noted, at) = self.metrics.note(), self._noted
-        if note is None or note == noted or (not final and time.monotonic() - at < NOTE_EVERY_S):
+        if not self._note_due(final=final):
             return
+        note = self.metrics.note()
         records.set_warning(db, job_id=self.job_id, warning={"kind": "metrics_capped", "message": note,
                                                              "attempt": self.attempt, "node_rank": self.node_rank})
         self._noted = (note, time.monotonic())
