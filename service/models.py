@@ -6,10 +6,12 @@ from service.jobs.models import Attempt, Job, JobCount, JobCountDelta, JobEvent,
 from service.logs.models import LogChunk
 from service.metrics.models import Metric, MetricBlock
 from service.packages.models import Package
+from service.runners.models import Credential, JoinToken
 from service.scheduling.models import Team, Usage
 from service.sweeps.models import Sweep
 from service.webhooks.models import Delivery, Webhook
 from service.workers.models import Hold, Worker
 
-__all__ = ["ApiToken", "Attempt", "Base", "Delivery", "Hold", "Job", "JobCount", "JobCountDelta", "JobEvent", "JobTag",
-           "LogChunk", "Metric", "MetricBlock", "Package", "Sweep", "Team", "Usage", "User", "Webhook", "Worker"]
+__all__ = ["ApiToken", "Attempt", "Base", "Credential", "Delivery", "Hold", "Job", "JobCount", "JobCountDelta",
+           "JobEvent", "JobTag", "JoinToken", "LogChunk", "Metric", "MetricBlock", "Package", "Sweep", "Team", "Usage",
+           "User", "Webhook", "Worker"]

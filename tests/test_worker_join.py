@@ -97,7 +97,7 @@ def test_a_joined_worker_runs_jobs_and_a_revoked_one_hands_its_job_back_and_stop
             env = {"TRAINJOBS_WORKER_API": stack.api_url, "TRAINJOBS_WORKER_JOIN_TOKEN": token,
                    "TRAINJOBS_WORKER_NAME": "gpu-7", "TRAINJOBS_WORKER_CREDENTIAL_FILE": str(tmp_path / "cred")}
             stack.add_workers(1, env=env)
-            wait_for(lambda: any(w["id"] == "gpu-7" for w in api.get("/v1/workers").json()["items"]), 60,
+            wait_for(lambda: any(w["id"] == "gpu-7" for w in api.get("/v1/workers").json()["items"]), 120,
                      what="the joined worker to register through the API")
             assert (tmp_path / "cred").stat().st_mode & 0o777 == 0o600
             slow = mlp_spec(train={"max_steps": 100_000, "log_every": 50, "seed": 0, "checkpoint_every": 50})
@@ -117,3 +117,31 @@ def test_a_joined_worker_runs_jobs_and_a_revoked_one_hands_its_job_back_and_stop
 
 def stack_workers(stack) -> list[psutil.Process]:
     return [psutil.Process(p.pid) for name, p in stack.procs if name.startswith("worker")]
+
+
+def test_a_worker_renews_only_its_own_attempts_leases_and_learns_a_cancel(client, settings):
+    """POST /v1/worker/leases: by the database's clock, what the job asks (a cancel), a lost attempt as null."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from service.jobs import lifecycle
+
+    credential = join(client, join_token(client), "gpu-7").json()["credential"]
+    other = join(client, join_token(client), "gpu-8").json()["credential"]
+    job_id = client.post("/v1/jobs", json=mlp_spec()).json()["id"]
+    engine = create_engine(settings.resolved_database_url)
+    with Session(engine) as db:
+        attempt, _ = lifecycle.claim(db, job_id=job_id, worker="gpu-7-5", lease_s=10)
+        db.commit()
+    engine.dispose()
+    mine = {"attempts": [{"job_id": job_id, "attempt": attempt, "node_rank": 0}]}
+    [lease] = client.post("/v1/worker/leases", json=mine, headers=as_worker(credential)).json()["leases"]
+    assert lease["held"]["cancel_requested"] is False
+    refused = client.post("/v1/worker/leases", json=mine, headers=as_worker(other))
+    assert refused.status_code == 403 and refused.json()["field"] == "attempts"
+    client.post(f"/v1/jobs/{job_id}/cancel")
+    [lease] = client.post("/v1/worker/leases", json=mine, headers=as_worker(credential)).json()["leases"]
+    assert lease["held"]["cancel_requested"] is True
+    stale = {"attempts": [{"job_id": job_id, "attempt": attempt + 1, "node_rank": 0}]}  # no such attempt
+    [lease] = client.post("/v1/worker/leases", json=stale, headers=as_worker(credential)).json()["leases"]
+    assert lease["held"] is None

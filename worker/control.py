@@ -78,6 +78,13 @@ class ApiControl:
         body = {"worker_id": worker_id, "draining": draining, "pressure": pressure, "devices": devices}
         return self._post("/v1/worker/heartbeat", body).json()["registered"]
 
+    def renew(self, *, job_id: str, attempt: int, node_rank: int) -> dict | None:
+        """One attempt's lease renewed by the API (the database's clock): what its job asks of it (as
+        lifecycle.Held's fields), or None once the attempt lost its job."""
+        body = {"attempts": [{"job_id": job_id, "attempt": attempt, "node_rank": node_rank}]}
+        [lease] = self._post("/v1/worker/leases", body).json()["leases"]
+        return lease["held"]
+
     def remove(self, worker_id: str) -> None:
         response = self.client.delete(f"/v1/worker/workers/{worker_id}")
         if response.status_code == 401:
@@ -93,6 +100,15 @@ def runner_name() -> str:
 
 def credential_file(settings: Settings) -> Path:
     return settings.worker_credential_file or settings.resolved_secrets_dir / "worker-credential.json"
+
+
+def saved(settings: Settings) -> ApiControl | None:
+    """This machine's control through the API, from the credential its worker saved when it joined (a work-horse
+    uses it); None for a worker that writes the database itself."""
+    if settings.worker_api is None:
+        return None
+    found = json.loads(credential_file(settings).read_text())
+    return ApiControl(settings.worker_api, found["credential"])
 
 
 def joined(settings: Settings, *, runner: str) -> ApiControl:

@@ -254,6 +254,8 @@ def start_heartbeat(control: Control | sessionmaker[Session], *, offer: Offer, e
         thread.join(timeout=5)
         try:
             control.remove(name)
+        except Revoked:  # its credential revoked: the API marked its row draining; it shows lost, then is pruned
+            log.info("worker %s leaves its row to be pruned (its credential was revoked)", name)
         except Exception:  # noqa: BLE001 - the row then shows as lost, and is pruned later
             log.warning("could not remove worker %s from the workers table", name, exc_info=True)
 

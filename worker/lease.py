@@ -10,12 +10,15 @@ Each renewal also reads what the job asks of its attempt (cancel, preemption, st
 import logging
 import threading
 import time
+from datetime import datetime
 
+import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE, is_refusal
 from service.jobs import lifecycle
 from service.settings import Settings
+from worker.control import ApiControl, Revoked
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +27,8 @@ class Lease:
     """Renews one node's lease of one attempt from a daemon thread, from start() to stop()."""
 
     def __init__(self, sessions: sessionmaker[Session], settings: Settings, *, job_id: str, attempt: int,
-                 node_rank: int = 0):
-        self.sessions, self.settings = sessions, settings
+                 node_rank: int = 0, api: ApiControl | None = None):
+        self.sessions, self.settings, self.api = sessions, settings, api  # api: renewed through it (issue 42)
         self.job_id, self.attempt, self.node_rank = job_id, attempt, node_rank
         # When the lease held in the database runs out, as far as this worker knows (the claim or the gang's
         # forming renewed it just before): past it the sweeper may have given the job to another attempt.
@@ -58,14 +61,17 @@ class Lease:
         """Renew now, in a transaction of its own; False when it could not (lost, or the database is away)."""
         asked = time.monotonic()
         try:
-            with self.sessions() as db:
-                held = lifecycle.hold(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
-                                      lease_s=self.settings.lease_s)
-                if held is None:
-                    db.rollback()
-                    self.lost = True
-                    return False
-                db.commit()
+            held = self._hold()
+            if held is None:
+                self.lost = True
+                return False
+        except Revoked as exc:  # the machine's credential revoked: the API took its jobs back
+            log.error("job %s: the API refused this machine's credential (%s): stopping the ranks", self.job_id, exc)
+            self.lost = True
+            return False
+        except (httpx.TransportError, httpx.HTTPStatusError) as exc:  # the API away, or refusing the request
+            log.warning("job %s: the API did not renew the lease (%s); will retry", self.job_id, exc)
+            return False
         except UNREACHABLE as exc:
             if is_refusal(exc):
                 log.exception("job %s: the database refused the lease renewal; will retry", self.job_id)
@@ -79,6 +85,23 @@ class Lease:
         # Counted from before the request: the database's lease ends no earlier.
         self.ends, self.held = asked + self.settings.lease_s, held
         return True
+
+    def _hold(self) -> lifecycle.Held | None:
+        """Renew, through the API where this worker joined one, else in a transaction of its own."""
+        if self.api is not None:
+            held = self.api.renew(job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
+            if held is None:
+                return None
+            at = held["stacks_requested_at"]
+            return lifecycle.Held(**{**held, "stacks_requested_at": datetime.fromisoformat(at) if at else None})
+        with self.sessions() as db:
+            held = lifecycle.hold(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
+                                  lease_s=self.settings.lease_s)
+            if held is None:
+                db.rollback()
+                return None
+            db.commit()
+        return held
 
     def _loop(self) -> None:
         while not self._stopped.wait(self.settings.heartbeat_s):

@@ -17,7 +17,7 @@ from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec
 from trainjobs.states import ErrorType, JobStatus
-from worker import devices, environments, launch, processes, store_sync
+from worker import control, devices, environments, launch, processes, store_sync
 from worker.attempt import outcome, prepare, start
 from worker.attempt.outcome import Outcome
 from worker.attempt.place import Placed
@@ -48,7 +48,8 @@ class Supervisor:
         self.metrics = MetricTail(run_dir / runenv.METRICS_FILE, MetricCaps.of(settings))
         self.cancel_requested = False
         # Renewed on a thread of its own from run()'s start to its end, never by shipping (worker/lease.py).
-        self.lease = Lease(sessions, settings, job_id=job_id, attempt=attempt, node_rank=self.node_rank)
+        self.lease = Lease(sessions, settings, job_id=job_id, attempt=attempt, node_rank=self.node_rank,
+                           api=control.saved(settings))
         self._removed_checkpoints: list[str] = []  # half-written ones, once the ranks were gone
         self._disk_short = False  # its storage or run dir was below worker_min_free_bytes when the ranks ended
         self.preempt_requests = 0  # the worker is shutting down: 1 = checkpoint and hand back, 2 = stop now

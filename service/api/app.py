@@ -37,14 +37,14 @@ from service.metrics.charts import RenderedCharts
 from service.metrics.router import router as metrics_router
 from service.packages.router import router as packages_router
 from service.redis_auth import warn_if_open
+from service.runners.router import admin_router as worker_admin_router
+from service.runners.router import router as worker_router
 from service.scheduling.router import router as scheduling_router
 from service.settings import Settings, get_settings
 from service.storage import check_store
 from service.sweeps.router import router as sweeps_router
 from service.webhooks.delivery import Deliverer
 from service.webhooks.router import router as webhooks_router
-from service.workers.protocol import admin_router as worker_admin_router
-from service.workers.protocol import router as worker_router
 from service.workers.router import router as workers_router
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = make_sessionmaker(app.state.engine)
     app.state.redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
     app.state.principals = PrincipalCache(app.state.redis, f"{settings.queue_prefix}:auth:epoch")
-    app.state.runners = {}  # worker credentials seen lately (service/workers/protocol.py)
+    app.state.runners = {}  # worker credentials seen lately (service/runners/router.py)
     app.state.job_bodies = RenderedJobs()
     app.state.job_needs = {}  # job id → scheduling.Req: put by admission, read by this process's sweeper
     app.state.admitter = Admitter(settings, app.state.sessionmaker, app.state.redis, app.state.job_bodies,

@@ -17,6 +17,7 @@ The caller commits (except where a docstring says otherwise); zero rows moved me
 
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -317,6 +318,17 @@ def hold(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: flo
                 stopped_early=job.reason == STOPPED_EARLY)
 
 
+def attempt_workers(db: Session, *, refs: list[tuple[str, int, int]]) -> dict[tuple[str, int, int], str]:
+    """Which worker runs each (job, attempt, node) of `refs` that exists: the API checks that a worker acts only on
+    its own attempts (service/runners/router.py)."""
+    if not refs:
+        return {}
+    rows = db.execute(select(Attempt.job_id, Attempt.number, Attempt.node_rank, Attempt.worker)
+                      .where(Attempt.job_id.in_({job for job, _, _ in refs}))).all()
+    wanted = set(refs)
+    return {(r.job_id, r.number, r.node_rank): r.worker for r in rows if (r.job_id, r.number, r.node_rank) in wanted}
+
+
 def still_held(db: Session, *, job_id: str, attempt: int, node_rank: int) -> Held | None:
     """Whether this node of `attempt` still holds the job, read without a lock and without renewing: the fence of a
     shipping transaction (the attempt's logs and metrics are written after it). Once the sweeper has given the job
@@ -450,6 +462,22 @@ def hand_back(db: Session, *, job_id: str, attempt: int, detail: str, node_rank:
     return transition(db, job_id=job_id, to=JobStatus.CANCELLED, attempt=attempt,
                       detail="cancelled while its worker was shutting down",
                       where=[Job.cancel_requested_at.is_not(None)])
+
+
+def take_back(db: Session, *, owned: Callable[[str], bool], detail: str) -> list[str]:
+    """Every active attempt of the workers `owned` says are a revoked machine's, handed back (its jobs queued again,
+    no retry spent), each in a transaction of its own. Its worker learns it at its next lease renewal (a 401): it
+    stops the ranks and writes nothing more. The jobs handed back. Commits."""
+    rows = db.execute(select(Attempt.job_id, Attempt.number, Attempt.node_rank, Attempt.worker)
+                      .where(Attempt.status == AttemptStatus.ACTIVE)).all()
+    db.rollback()
+    taken = []
+    for row in rows:
+        if owned(row.worker) and hand_back(db, job_id=row.job_id, attempt=row.number, node_rank=row.node_rank,
+                                           detail=detail):
+            taken.append(row.job_id)
+        db.commit()
+    return taken
 
 
 # --- the sweeper ---------------------------------------------------------------------------------------------

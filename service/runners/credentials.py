@@ -18,7 +18,8 @@ from sqlalchemy.orm import Session
 from service.auth.tokens import hash_secret
 from service.db import utcnow
 from service.errors import InvalidRequest, TrainjobsError
-from service.workers.models import Credential, JoinToken, Worker
+from service.runners.models import Credential, JoinToken
+from service.workers.models import Worker
 
 JOIN_PREFIX, CREDENTIAL_PREFIX = "tjj_", "tjw_"
 RUNNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a host name, or what --name says

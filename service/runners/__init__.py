@@ -1,0 +1,1 @@
+"""Joined machines: join tokens, worker credentials, and the worker protocol's routes (issue 42)."""
