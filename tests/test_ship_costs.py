@@ -9,7 +9,7 @@ from sqlalchemy import event, insert, select, text
 from sqlalchemy.exc import DataError
 
 from service.db import UNREACHABLE, is_refusal, make_engine, make_sessionmaker, utcnow
-from service.jobs import lifecycle
+from service.jobs import lifecycle, records
 from service.jobs import service as jobs
 from service.metrics import service as metrics
 from service.metrics.models import Metric, MetricBlock
@@ -82,6 +82,13 @@ def test_a_ship_with_nothing_new_writes_nothing_and_the_job_s_etag_moves_only_wi
     statements.clear()
     sup._ship(output)
     assert statements == []
+
+    with sessions() as db:  # the same progress again (a restarted supervisor, a retried answer): no write
+        stored = jobs.get(db, job_id=job_id).progress
+        assert not records.record_progress(db, job_id=job_id, attempt=attempt, progress=dict(stored))
+        assert records.record_progress(db, job_id=job_id, attempt=attempt, progress={**stored, "step": 4})
+        db.rollback()
+    assert client.get(f"/v1/jobs/{job_id}", headers={"If-None-Match": moved.headers["etag"]}).status_code == 304
     engine.dispose()
 
 

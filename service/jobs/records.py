@@ -5,9 +5,11 @@ of one attempt, fenced by the attempt where it matters. The worker calls them in
 (fenced by lifecycle.still_held); the API asks for stacks through request_stacks.
 """
 
+import json
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import func, literal, select, update
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
@@ -65,8 +67,16 @@ def request_stacks(db: Session, *, job_id: str) -> datetime | None:
     return asked if done else None
 
 
-def record_progress(db: Session, *, job_id: str, attempt: int, progress: dict) -> None:
-    db.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt).values(progress=progress))
+def record_progress(db: Session, *, job_id: str, attempt: int, progress: dict) -> bool:
+    """The attempt's progress, written only when it differs from the stored one: the job's row, and with it its
+    version (its ETag), moves only when the job does, whichever side calls (a supervisor that restarted, a retry
+    of a lost answer). False when nothing was written."""
+    if db.get_bind().dialect.name == "postgresql":  # json has no equality; jsonb compares values
+        changed = Job.progress.cast(JSONB).is_distinct_from(literal(progress, JSONB))
+    else:  # SQLite: both as json() minifies them (written by the same json.dumps)
+        changed = func.json(Job.progress).is_distinct_from(func.json(json.dumps(progress)))
+    return db.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt, changed)
+                      .values(progress=progress)).rowcount == 1
 
 
 def record_resume(db: Session, *, job_id: str, attempt: int, node_rank: int, step: int) -> None:
