@@ -73,6 +73,14 @@ class Settings(BaseSettings):
     allow_direct_urls: bool = Field(False, description="requirements may be direct references (name @ https://...):"
                                     " else a 422; even then fetched through the build's proxy, never from a private "
                                     "address")
+    # Container images (spec.image, worker/images.py): pulled with skopeo, unpacked with umoci, cached per worker.
+    image_cache_bytes: int = Field(50 * 2**30, ge=0, description="a worker's unpacked images (data_dir/image-cache), "
+                                   "least recently used (and unused) evicted past it")
+    image_pull_timeout_s: float = Field(1800.0, gt=0, description="pulling and unpacking one image; past it the "
+                                        "job fails (image_unavailable)")
+    image_insecure_registries: str = Field("", description="registries (host:port, comma-separated) pulled over "
+                                           "plain HTTP or unverified TLS: only on loopback (127.0.0.1, localhost, "
+                                           "::1), others are refused")
     pip_index_hosts: str = Field("", description="hosts (host or host:port, comma-separated) a build may reach "
                                  "besides its pip configuration's index and find-links hosts")
 

@@ -93,7 +93,7 @@ def init_source(storage_dir: Path, job_id: str, checkpoint: str) -> Path | None:
 
 
 # The service's own entries of the data dir: never shown to a job (worker/sandbox.py), never a data.path.
-SERVICE_OWNED = ("runs", "storage", "envs", "package-cache", "redis", "packages", "trainjobs.db",
+SERVICE_OWNED = ("runs", "storage", "envs", "package-cache", "image-cache", "redis", "packages", "trainjobs.db",
                  "trainjobs.db-wal", "trainjobs.db-shm", "trainjobs.db-journal")
 
 

@@ -1,9 +1,10 @@
 """JobSpec: the one contract between the API, the CLI and the worker (pydantic only)."""
 
+import re
 from typing import Annotated, Any, Literal
 
 from packaging.requirements import InvalidRequirement, Requirement
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainjobs import runenv
 from trainjobs.errors import InvalidRequest
@@ -308,6 +309,23 @@ class Entrypoint(_Strict):
         return self
 
 
+# An image reference as Docker's distribution/reference reads one: [registry[:port]/]path[:tag][@sha256:hex].
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?/)?"
+_TAG, _DIGEST = r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?", r"(?:@sha256:[0-9a-f]{64})?"
+IMAGE_REFERENCE = rf"^{_DOMAIN}{_COMPONENT}(?:/{_COMPONENT})*{_TAG}{_DIGEST}$"
+IMAGES_LABEL = "trainjobs.io/images"  # "on": the worker pulls and runs images (worker/images.py)
+
+
+def _image_reference(value: str) -> str:
+    if not re.match(IMAGE_REFERENCE, value):
+        raise ValueError(f"{value[:100]!r} is not an image reference: registry/repository:tag or "
+                         "repository@sha256:<64 hex digits>, lowercase repository names")
+    return value
+
+
+ImageRef = Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_image_reference)]
+
 EnvName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 EnvValue = Annotated[str, Field(max_length=4096)]
 ENV_MAX_VARS, ENV_MAX_BYTES = 64, 32 * 1024
@@ -341,6 +359,19 @@ class JobSpec(_Strict):
     env: dict[EnvName, EnvValue] = Field(
         default_factory=dict, max_length=ENV_MAX_VARS,
         description="environment variables for every rank (not secrets: anyone who can read the job sees them)")
+    image: ImageRef | None = Field(None, description="a container image (registry/repo:tag or repo@sha256:...) whose "
+                                   "root filesystem the ranks run in: its python3 and torch, not the worker's; only "
+                                   f"workers labelled {IMAGES_LABEL}=on run it (issue 44)")
+
+    @model_validator(mode="after")
+    def _image_runs_where_images_run(self):
+        """A job with an image needs a worker that pulls images: its selector says so, so placement sends it to one."""
+        if self.image is not None:
+            if self.entrypoint is not None and self.entrypoint.requirements:
+                raise ValueError("entrypoint.requirements layer on the worker's Python and cannot go with an image: "
+                                 "install them in the image")
+            self.resources.selector.setdefault(IMAGES_LABEL, "on")
+        return self
 
     @field_validator("env")
     @classmethod

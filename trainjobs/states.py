@@ -86,3 +86,7 @@ class ErrorType(StrEnum):
     # A GPU the attempt held turned unhealthy (an NVML error, fallen off the bus): the error names it; retried on
     # devices that are not.
     DEVICE_UNHEALTHY = "device_unhealthy"
+    # spec.image (worker/images.py): the worker could not pull or unpack it (its words: no such image, no access,
+    # no skopeo here), or the image lacks what a rank needs ("image has no python3", "torch missing in the image").
+    IMAGE_UNAVAILABLE = "image_unavailable"
+    IMAGE_UNUSABLE = "image_unusable"

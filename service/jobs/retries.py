@@ -15,6 +15,7 @@ FINAL_TYPES = frozenset({
     ErrorType.UNSAFE_FILE,  # the job planted a link or a FIFO where the worker reads: it would again
     ErrorType.REQUIREMENTS_FAILED,  # pip's answer for the same list is the same: a typo, a missing release
     ErrorType.INIT_FROM_UNAVAILABLE,
+    ErrorType.IMAGE_UNUSABLE,  # the image lacks python3 or torch: it will on every worker
     ErrorType.IDLE,  # idle.action fail: the user asked for no second try of a job that sat idle
     "NonFiniteLoss",  # a diverged run (worker/train/main.py, train.stop_on_nan) diverges again from its checkpoint
 })

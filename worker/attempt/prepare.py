@@ -11,13 +11,13 @@ from service.storage import StoreUnavailable
 from trainjobs import paths
 from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType
-from worker import environments, launch, packages, sandbox, store_init, store_sync
+from worker import environments, images, launch, packages, sandbox, store_init, store_sync
 from worker.attempt.place import Placed
 from worker.lease import Lease
 
 # What refuses a job before anything of it starts: it fails, the worker goes on.
 REFUSALS = (launch.EntrypointRefused, packages.PackageUnavailable, packages.UnsafeArchive,
-            environments.RequirementsFailed)
+            environments.RequirementsFailed, images.ImageUnavailable, images.ImageUnusable)
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class Code:
     requirements: list[str] = field(default_factory=list)
     init_from: Path | None = None
     init_job: str | None = None  # whose weights init_from are: the spec's init_from.job
+    image: images.Image | None = None  # spec.image, pulled and checked: held until the attempt's box closes
 
 
 def find_code(spec: JobSpec, settings: Settings, run_dir: Path, *, lease: Lease | None = None) -> Code:
@@ -39,7 +40,24 @@ def find_code(spec: JobSpec, settings: Settings, run_dir: Path, *, lease: Lease 
     scripts_dir = code_dir or settings.resolved_scripts_dir
     entry_script = launch.check_entrypoint(spec, allowed=settings.allow_entrypoints, scripts_dir=scripts_dir)
     return Code(scripts_dir, code_dir, entry_script, requirements(spec, settings, code_dir),
-                init_weights(spec, settings, lease=lease), spec.init_from.job if spec.init_from else None)
+                init_weights(spec, settings, lease=lease), spec.init_from.job if spec.init_from else None,
+                pull_image(spec, settings, job_id=run_dir.parent.name))
+
+
+def pull_image(spec: JobSpec, settings: Settings, *, job_id: str) -> images.Image | None:
+    """spec.image from this worker's cache (pulled on a miss), checked for python3 and torch; None without one."""
+    if spec.image is None:
+        return None
+    support = sandbox.for_worker(settings)
+    if not support.on:
+        raise images.ImageUnavailable(f"this worker cannot run images: it makes no sandbox ({support.why_not})")
+    image = images.ImageCache(settings).get(spec.image)
+    try:
+        sandbox.check_image(support, settings, image, job_id=job_id, builtin=spec.entrypoint is None)
+    except BaseException:
+        image.release()
+        raise
+    return image
 
 
 def refusal(exc: Exception) -> dict:
@@ -51,6 +69,10 @@ def refusal(exc: Exception) -> dict:
     if isinstance(exc, packages.UnsafeArchive):
         return {"type": ErrorType.UNSAFE_PACKAGE, "message": f"the worker refused the job's package: {exc}",
                 "rank": None}
+    if isinstance(exc, images.ImageUnavailable):
+        return {"type": ErrorType.IMAGE_UNAVAILABLE, "message": str(exc), "rank": None}
+    if isinstance(exc, images.ImageUnusable):
+        return {"type": ErrorType.IMAGE_UNUSABLE, "message": str(exc), "rank": None}
     return {"type": ErrorType.REQUIREMENTS_FAILED, "message": str(exc), "rank": None}
 
 
@@ -130,6 +152,8 @@ def render(spec: JobSpec, settings: Settings, *, job_id: str, attempt: int, run_
            environ: dict[str, str] | None = None) -> launch.Launch:
     """torchrun's command line and environment: the worker's variables a job gets (`environ`: this process's by
     default), its own GPUs visible, OMP_NUM_THREADS from its cores' share."""
+    if code.image is not None:
+        python = "python3"  # the image's, found on its PATH inside the sandbox
     return launch.render(
         spec, job_id=job_id, attempt=attempt, run_dir=run_dir, python=python, data_dir=settings.data_dir,
         job_dir=job_dir, shutdown_grace_s=settings.cancel_grace_s,

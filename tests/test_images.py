@@ -1,0 +1,170 @@
+"""spec.image (issue 44): a job runs in its own image's root, pulled from a real registry on loopback, cached.
+
+The registry is Debian's docker-registry (the CNCF distribution registry); the images are tests/image_build.py's,
+built with umoci once per machine. skopeo and umoci are the worker's; .ci/run installs all three.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.settings import Settings
+from tests.helpers import free_port, live_stack, wait_for, wait_terminal
+from trainjobs.spec import IMAGES_LABEL, JobSpec
+from worker import images, sandbox
+
+TOOLS = ("skopeo", "umoci", "docker-registry")
+needs_tools = pytest.mark.skipif(any(shutil.which(t) is None for t in TOOLS),
+                                 reason=f"needs {', '.join(TOOLS)} (apt-get install skopeo umoci docker-registry; "
+                                 ".ci/run installs them)")
+WHERE = """import os, sys, torch
+print("marker", open("/image-marker").read().strip())
+print("os", [l for l in open("/etc/os-release").read().splitlines() if l.startswith("ID=")][0])
+print("python", sys.executable, os.path.realpath(sys.executable))
+print("torch", torch.__version__, torch.__file__)
+print("host python seen", os.path.exists(sys.base_prefix + "/../../../root/.pyenv"), os.path.exists("/root/.pyenv"))
+print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "uid", os.getuid())
+"""
+
+
+def entry(image: str, script: str = "where.py", nproc: int = 1) -> dict:
+    return {"entrypoint": {"script": script}, "image": image, "resources": {"nproc_per_node": nproc},
+            "strategy": "ddp"}
+
+
+def test_a_malformed_reference_is_refused_naming_image(client):
+    answer = client.post("/v1/jobs", json=entry("Team/Train::x"))
+    assert answer.status_code == 422
+    assert "image" in answer.text and "not an image reference" in answer.text
+
+
+def test_an_image_job_asks_for_a_worker_that_runs_images():
+    spec = JobSpec.model_validate(entry("registry.example.com/team/train:2025-11"))
+    assert spec.resources.selector == {IMAGES_LABEL: "on"}
+    with pytest.raises(ValueError, match="requirements"):
+        JobSpec.model_validate(entry("r.example.com/a:1") | {"entrypoint": {"script": "x.py", "requirements": ["a"]}})
+
+
+def test_a_worker_without_skopeo_says_so_in_its_labels_and_refuses(monkeypatch, tmp_path):
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "skopeo" else "/usr/bin/" + name)
+    assert images.labels(True) == {IMAGES_LABEL: "off"}
+    with pytest.raises(images.ImageUnavailable, match="cannot run images: skopeo is not installed"):
+        images.ImageCache(Settings(data_dir=tmp_path)).get("127.0.0.1:1/a:1")
+
+
+def test_the_image_root_binds_no_link_and_makes_room_for_the_jobs_folders(tmp_path):
+    root = tmp_path / "rootfs"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "passwd").write_text("")
+    (root / "etc" / "hosts").write_text("")
+    (root / "proc").mkdir()
+    (root / "bin").symlink_to("/etc")  # a link of the image is made again, never followed on the host
+    (root / "usr").mkdir()
+    args = sandbox.image_root(root, ["/etc/hosts", "/data/x"])
+    assert ["--symlink", "/etc", "/bin"] == args[:3]
+    assert ["--perms", "0755", "--dir", "/etc"] == args[3:7]  # expanded: /etc/hosts is the sandbox's own
+    assert str(root / "etc" / "passwd") in args and str(root / "etc" / "hosts") not in args
+    assert "/proc" not in args and ["--ro-bind", str(root / "usr"), "/usr"] == args[-3:]
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """Debian's docker-registry on a loopback port, with the test images pushed: (host:port, its log file)."""
+    from tests import image_build
+
+    python_layout, bare_layout = image_build.build()
+    home = tmp_path_factory.mktemp("registry")
+    port = free_port()
+    (home / "config.yml").write_text(f"version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n"
+                                     f"    rootdirectory: {home / 'store'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
+    log = home / "registry.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["docker-registry", "serve", str(home / "config.yml")], stdout=out, stderr=out)
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_for(up, 20, what="the registry")
+        for layout, name in ((python_layout, "test/py:1"), (bare_layout, "test/bare:1")):
+            subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:image",
+                            f"docker://127.0.0.1:{port}/{name}"], check=True, timeout=120)
+        yield f"127.0.0.1:{port}", log
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def blob_reads(log: Path) -> int:
+    return len(re.findall(r"GET /v2/[^ ]+/blobs/sha256:", log.read_text(errors="replace")))
+
+
+@needs_tools
+@pytest.mark.skipif(os.geteuid() != 0 and shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_a_job_runs_in_its_images_root_and_a_second_pulls_nothing(registry, postgres_url, tmp_path_factory):
+    where, log = registry
+    scripts = tmp_path_factory.mktemp("scripts")
+    (scripts / "where.py").write_text(WHERE)
+    data = tmp_path_factory.mktemp("images-data")
+    with live_stack(postgres_url, data, name="images", allow_entrypoints=True, scripts_dir=scripts,
+                    image_insecure_registries=where) as stack, stack.client(timeout=10) as api:
+        wait_for(lambda: api.get("/v1/workers").json()["items"], 30, what="the worker")
+        assert all(w["labels"].get(IMAGES_LABEL) == "on" for w in api.get("/v1/workers").json()["items"])
+        before = blob_reads(log)
+        started = time.monotonic()
+        first = wait_terminal(api, api.post("/v1/jobs", json=entry(f"{where}/test/py:1", nproc=2)).json()["id"])
+        cold_s = time.monotonic() - started
+        logs = api.get(f"/v1/jobs/{first['id']}/logs").text
+        assert first["status"] == "succeeded", (first["error"], logs[-3000:])
+        assert "marker only in the image" in logs and "os ID=trainjobs-test-image" in logs
+        assert "torch 2.99.0+image /opt/py/lib/python3.11/site-packages/torch/__init__.py" in logs  # not the host's
+        assert "python /usr/local/bin/python3 /opt/py/bin/python3.11" in logs
+        assert "host python seen False False" in logs and "rank 1 of 2" in logs
+        assert "uid 0" not in logs  # dropped by the host's setpriv, which the image does not have
+        pulled = blob_reads(log)
+        assert pulled > before
+
+        started = time.monotonic()
+        second = wait_terminal(api, api.post("/v1/jobs", json=entry(f"{where}/test/py:1")).json()["id"])
+        warm_s = time.monotonic() - started
+        assert second["status"] == "succeeded", second["error"]
+        assert blob_reads(log) == pulled  # the tag's manifest read again, no layer
+        assert len([p for p in (data / "image-cache").iterdir() if p.is_dir()]) == 1
+        print(f"image job: cold {cold_s:.1f}s (pull + unpack + check), warm {warm_s:.1f}s")
+
+        bare = wait_terminal(api, api.post("/v1/jobs", json=entry(f"{where}/test/bare:1")).json()["id"])
+        assert bare["status"] == "failed" and bare["error"]["type"] == "image_unusable"
+        assert "has no python3" in bare["error"]["message"] and bare["attempt"] == 1
+
+        missing = wait_terminal(api, api.post("/v1/jobs", json=entry(f"{where}/test/nothing:1")).json()["id"])
+        assert missing["status"] == "failed" and missing["error"]["type"] == "image_unavailable"
+        assert "test/nothing:1" in missing["error"]["message"]
+
+
+def test_the_cache_evicts_the_least_recently_used_image_but_never_one_in_use(tmp_path):
+    import fcntl
+
+    cache = images.ImageCache(Settings(data_dir=tmp_path, image_cache_bytes=150))
+    cache.root.mkdir()
+    old = time.time() - 3600
+    for age, name in enumerate(("inuse", "oldest", "newer")):
+        (cache.root / name / "rootfs").mkdir(parents=True)
+        (cache.root / f"{name}.bytes").write_text("100")
+        (cache.root / f"{name}.used").touch()
+        os.utime(cache.root / f"{name}.used", (old + age, old + age))
+    held = os.open(cache.root / "inuse.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_SH)  # an attempt runs on it
+    try:
+        assert cache.evict() == ["oldest", "newer"]  # 300 bytes over 150: "inuse" is older but held
+        assert (cache.root / "inuse" / "rootfs").is_dir() and not (cache.root / "oldest").exists()
+    finally:
+        os.close(held)
+    smaller = images.ImageCache(Settings(data_dir=tmp_path, image_cache_bytes=50))
+    assert smaller.evict() == ["inuse"]  # released: now it may go
