@@ -79,6 +79,19 @@ def test_only_global_rank_0_reports(metrics_file):
     assert records(metrics_file) == []
 
 
+def test_the_last_step_is_written_even_within_a_beat_of_the_previous_one(metrics_file):
+    sink = Sink(rank0=True)
+    sink.scalars(58, {"loss": 1.0})  # a framework's last log, at the batch index
+    sink.beat(59)
+    sink.beat(60)  # within BEAT_S of the previous beat: held back
+    sink.reached(60)  # the run's end: global_step
+    sink.reached(60)
+    sink.summary({"global_step": 60})
+    written = records(metrics_file)
+    assert [r["step"] for r in written if r["type"] == "metrics"] == [58, 59, 60]
+    assert written[-1]["summary"]["step"] == written[-1]["summary"]["global_step"] == 60
+
+
 def test_a_hook_that_raises_turns_its_source_off_with_one_line(metrics_file, capsys):
     sink = Sink(rank0=True)
 

@@ -7,10 +7,12 @@ import shutil
 import signal
 import subprocess
 import textwrap
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from service.cli.tables import job_row
 from tests.helpers import live_stack, wait_for, wait_terminal
 from trainjobs.states import TERMINAL
 
@@ -149,7 +151,8 @@ def test_an_unmodified_lightning_module_under_2_rank_ddp_reports_what_its_logger
     assert series["train_loss"]["steps"] == list(range(4, 40, 5))
     assert series["val_loss"]["steps"] == [19, 39]
     assert series["train_loss"]["values"][-1] < series["train_loss"]["values"][0]
-    assert job["progress"]["total_steps"] == 40 and job["progress"]["step"] >= 39
+    # The last step counted: its logger's last step is 39 (the batch index), the progress a user sees is 40/40.
+    assert job["progress"]["total_steps"] == 40 and job_row(job, datetime.now(UTC))["STEP"] == "40/40"
     assert job["summary"]["global_step"] == 40 and job["summary"]["train_steps_per_second"] > 0
     assert job["summary"]["val_loss"] == pytest.approx(series["val_loss"]["values"][-1], rel=1e-5)
     # The ETA while it runs, from estimated_stepping_batches: 40 steps can end between two ships, so a longer run.
@@ -200,7 +203,7 @@ def test_a_retried_attempt_resumes_from_the_framework_s_own_checkpoint_with_its_
     assert attempts[1]["resumed_from_step"] == 20  # the checkpoint saved at step 20, before the crash at 22
     assert "[trainjobs] capture: resuming from " in logs
     assert series[series_name]["steps"] == logged  # attempt 1's points kept, none trained (or logged) twice
-    assert job["progress"]["total_steps"] == 40 and job["summary"]["global_step"] == 40
+    assert job["progress"]["step"] == job["progress"]["total_steps"] == job["summary"]["global_step"] == 40
 
 
 def live_worker(stack) -> subprocess.Popen:

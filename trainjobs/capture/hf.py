@@ -118,6 +118,7 @@ def make_callback(base: type, sink: Sink) -> type:
             for entry in state.log_history[-10:]:
                 final.update(entry)
             final["global_step"] = state.global_step
+            sink.reached(state.global_step)
             sink.summary(final)
 
     return TrainjobsCapture

@@ -143,6 +143,7 @@ class Run:
         self.sink.guard("preemption", self.stop.close)
         if not self.sink.rank0:
             return
+        self.sink.reached(trainer.global_step)
         elapsed, steps = time.monotonic() - self.started, trainer.global_step - self.first_step
         final: dict[str, Any] = dict(trainer.callback_metrics)
         final.update(global_step=trainer.global_step, epoch=trainer.current_epoch, train_runtime=elapsed,

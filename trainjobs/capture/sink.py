@@ -162,6 +162,14 @@ class Sink:
             self.out().log(step, {})
             self.step = step
 
+    def reached(self, step: Any) -> None:
+        """The run's last step, written whatever the time since the last beat: the progress a user sees at the end
+        is the summary's global_step (a framework logs at the batch index, one less, and the last beat may be
+        held back by BEAT_S)."""
+        if self.rank0 and isinstance(step, int) and self.step < step < STEP_MAX:
+            self.out().log(step, {})
+            self.step = step
+
     def total_steps(self, total: Any) -> None:
         if self.rank0 and isinstance(total, int) and 0 < total < STEP_MAX and total != self.total:
             self.total = total
