@@ -6,7 +6,8 @@ and after.
    its bounded batches (commit after commit, no poll wait: the most the database takes), points/s in all.
 2. Idle ship: a running attempt's supervisor ships 20 times with nothing new (after one ship with points and
    output): the statements, commits and UPDATEs each costs the database (counted on the engine), and whether the
-   job's version (its ETag) moved.
+   job's version (its ETag) moved. Then 200 busy ships (a step of 10 series and a line of output each): the
+   same counts and the database backends' CPU a ship.
 3. Memory: a real stack on PostgreSQL runs a job that prints as fast as it can for --flood-s seconds; the worker's
    own processes (the worker and its work-horse, not the job's ranks) are sampled every 0.2 s: peak PSS (shared
    pages split between them) and RSS. Once plain, once with every backend of the stack's database stopped
@@ -146,9 +147,10 @@ def ingest(points: int, jobs: int) -> dict:
             "db_cpu_us_per_point": db_us}
 
 
-def idle_ship(ships: int = 20) -> dict:
+def idle_ship(ships: int = 20, busy: int = 200) -> dict:
     """What a ship with nothing new costs the database: statements, commits and UPDATEs per ship, and how many
-    times the job's version (its ETag) moved (run inside the tree measured)."""
+    times the job's version (its ETag) moved; then the same and the database's CPU for a busy ship (one step of
+    10 series, a line of output). Run inside the tree measured. NOTE: the engine does not see a COPY."""
     from sqlalchemy import event, select
 
     from service import migrate
@@ -167,7 +169,7 @@ def idle_ship(ships: int = 20) -> dict:
     engine = make_engine(url)
     sessions = make_sessionmaker(engine)
     spec = JobSpec.model_validate({"name": "idle", "model": {"type": "mlp", "hidden": [8]},
-                                   "data": {"type": "synthetic_regression"}, "train": {"max_steps": 100}})
+                                   "data": {"type": "synthetic_regression"}, "train": {"max_steps": 1000}})
     with sessions() as db:
         job_id = jobs.create(db, spec=spec).id
         assert lifecycle.transition(db, job_id=job_id, to=JobStatus.STARTING,
@@ -211,14 +213,34 @@ def idle_ship(ships: int = 20) -> dict:
         event.listen(engine, "commit", commit)
         for _ in range(ships):
             sup._ship(output)
-        event.remove(engine, "before_cursor_execute", statement)
-        event.remove(engine, "commit", commit)
+        idle = {f"{k}_per_ship": counted[k] / ships for k in counted}
         with sessions() as db:
             after = db.scalar(version)
+        # A busy ship as a running job's usually is: one new step of 10 series and a line of output.
+        counted.update(statements=0, updates=0, commits=0)
+        names = [f"series_{i}" for i in range(10)]
+        db_cpu = backends_cpu(sessions)
+        for step in range(6, 6 + busy):
+            with open(Path(run_dir) / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"type": "metrics", "step": step, "time": time.time(),
+                                    "metrics": dict.fromkeys(names, 0.5)}) + "\n")
+            output.data = f"step {step}\n".encode()
+            sup._ship(output)
+        db_cpu = backends_cpu(sessions) - db_cpu
+        event.remove(engine, "before_cursor_execute", statement)
+        event.remove(engine, "commit", commit)
     engine.dispose()
     drop_database(url)
-    return {**{f"{k}_per_ship": counted[k] / ships for k in counted}, "version_moves": after - before,
-            "ships": ships}
+    return {**idle, "version_moves": after - before, "ships": ships,
+            "busy": {**{f"{k}_per_ship": counted[k] / busy for k in counted},
+                     "db_cpu_us_per_ship": round(db_cpu / busy * 1e6), "ships": busy}}
+
+
+def backends_cpu(sessions) -> float:
+    """CPU-seconds used so far by every backend of the session's database (the bench's own, on this machine)."""
+    with sessions() as db:
+        pids = db.scalars(text("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")).all()
+    return sum(cpu_s(pid) for pid in pids)
 
 
 def drop_database(url: str) -> None:

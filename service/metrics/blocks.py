@@ -12,12 +12,16 @@ from dataclasses import dataclass
 from itertools import groupby
 
 from sqlalchemy import Row, case, func, or_, select, tuple_
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from service.metrics.models import Metric, MetricBlock
 
 BLOCK_STEPS = 256
 IN_CHUNK = 500  # (name, block) pairs per IN list
+KEY_FIELDS = ("job_id", "node_rank", "name", "block")
+SUMMARY_FIELDS = ("points", "last_step", "last_value", "min_step", "min_value", "max_step", "max_value")
 
 
 @dataclass
@@ -38,7 +42,7 @@ def summarize(points: Sequence[tuple[int, float]]) -> Summary:
     return Summary(len(points), points[-1][0], points[-1][1], low[0], low[1], high[0], high[1])
 
 
-def merge(row: MetricBlock, new: Summary) -> None:
+def merge(row: Summary, new: Summary) -> None:
     """Fold a summary of later steps into a block's."""
     row.points += new.points
     row.last_step, row.last_value = new.last_step, new.last_value
@@ -60,7 +64,11 @@ def block_points(db: Session, *, job_id: str, name: str, block: int, after_step:
 
 
 def record(db: Session, *, job_id: str, rows: Iterable[tuple[int, str, float]], node_rank: int = 0) -> None:
-    """Update the blocks of one node's points just inserted (same transaction, after the insert)."""
+    """Update the blocks of one node's points just inserted (same transaction, after the insert).
+
+    Two statements however many blocks a batch touches: one read of their summaries, one upsert of the new ones
+    (a ship of one step of ten series once cost ten UPDATEs, one a block).
+    """
     batches: dict[tuple[str, int], dict[int, float]] = {}
     for step, name, value in rows:
         batches.setdefault((name, step // BLOCK_STEPS), {})[step] = value  # the later row of a step wins
@@ -68,20 +76,24 @@ def record(db: Session, *, job_id: str, rows: Iterable[tuple[int, str, float]], 
         return
     keys, existing = list(batches), {}
     for i in range(0, len(keys), IN_CHUNK):  # NOTE: ~8,000 pairs in one IN list exceed PostgreSQL's stack depth
-        existing |= {(b.name, b.block): b for b in db.scalars(select(MetricBlock).where(
+        existing |= {(b.name, b.block): Summary(*b[2:]) for b in db.execute(select(
+            MetricBlock.name, MetricBlock.block, *(getattr(MetricBlock, f) for f in SUMMARY_FIELDS)).where(
             MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank,
             tuple_(MetricBlock.name, MetricBlock.block).in_(keys[i:i + IN_CHUNK])))}
+    summaries = []
     for (name, block), by_step in batches.items():
         points = sorted(by_step.items())
-        row = existing.get((name, block))
-        if row is None:
-            db.add(MetricBlock(job_id=job_id, node_rank=node_rank, name=name, block=block, **vars(summarize(points))))
-        elif points[0][0] > row.last_step:
-            merge(row, summarize(points))
+        summary = existing.get((name, block))
+        if summary is None:
+            summary = summarize(points)
+        elif points[0][0] > summary.last_step:
+            merge(summary, summarize(points))
         else:  # NOTE: steps seen before (a retry): their old values may be the block's min or max
-            recomputed = block_points(db, job_id=job_id, node_rank=node_rank, name=name, block=block)
-            for key, value in vars(summarize(recomputed)).items():
-                setattr(row, key, value)
+            summary = summarize(block_points(db, job_id=job_id, node_rank=node_rank, name=name, block=block))
+        summaries.append({"job_id": job_id, "node_rank": node_rank, "name": name, "block": block, **vars(summary)})
+    upsert = (pg_insert if db.get_bind().dialect.name == "postgresql" else sqlite_insert)(MetricBlock)
+    db.execute(upsert.on_conflict_do_update(index_elements=KEY_FIELDS,
+                                            set_={f: upsert.excluded[f] for f in SUMMARY_FIELDS}), summaries)
 
 
 def thin(blocks: Sequence[Summary | Row], max_points: int) -> tuple[list[int], list[float]]:
