@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -98,8 +99,6 @@ def test_what_a_sweep_itself_refuses():
 
 
 def test_the_example_sweep_is_valid():
-    from pathlib import Path
-
     example = yaml.safe_load((Path(__file__).resolve().parent.parent / "examples" / "sweep-lr.yaml").read_text())
     check(SweepSpec.model_validate(example))
 
@@ -320,6 +319,27 @@ def test_asha_stops_losing_trials_early_and_never_the_best(api):
     assert done["best"]["reason"] is None and done["best"]["status"] == "succeeded"
     job = api.get(f"/v1/jobs/{stopped[0]['job_id']}").json()
     assert job["status"] == "cancelled" and job["reason"] == "stopped_early" and job["error"] is None
+
+
+def test_the_example_sweep_stops_a_losing_trial_early_and_keeps_the_best_running(api):
+    """examples/sweep-lr.yaml as it is, cut to its first 3 trials and cancelled once one is stopped early (the rest
+    would only take time). Its trials once trained 300 steps in ~1 s, ended before the controller saw them at a
+    rung, and the example stopped none."""
+    example = yaml.safe_load((Path(__file__).resolve().parent.parent / "examples" / "sweep-lr.yaml").read_text())
+    sweep_id = api.post("/v1/sweeps", json={**example, "max_trials": 3}).json()["id"]
+
+    def one_stopped():
+        trials = api.get(f"/v1/sweeps/{sweep_id}/trials").json()["data"]
+        stopped = [t for t in trials if t["reason"] == "stopped_early" and t["status"] == "cancelled"]
+        return (stopped, api.get(f"/v1/sweeps/{sweep_id}").json()["best"]) if stopped else None
+
+    stopped, best = wait_for(one_stopped, 180, interval=0.5, what="a trial stopped early")
+    assert api.post(f"/v1/sweeps/{sweep_id}/cancel").json()["status"] == "cancelled"
+    assert stopped[0]["steps"] < example["spec"]["train"]["max_steps"], stopped
+    assert best["reason"] is None and best["status"] in ("running", "succeeded"), best
+    live = ("queued", "starting", "running")
+    wait_for(lambda: not any(api.get(f"/v1/sweeps/{sweep_id}").json()["trials"][k] for k in live), 60,
+             what="the cancelled trials to end")  # the module's workers free for the next test
 
 
 def test_a_sweep_whose_trials_finish_between_two_looks_keeps_every_finished_trial(api):
