@@ -276,11 +276,10 @@ class MetricTail:
 
     Each batch (stage() reads it, write() stores it) is at most READ_MAX bytes and caps.rows_per_ship points (the
     rest waits in the file, on the run dir's disk, for the next one: `more`); while more than THIN_BACKLOG bytes
-    wait, it keeps one
-    step record in k and counts the others as thinned, so a job that reports faster than the service ingests
-    neither grows the worker's memory nor holds its end for long. Per job: at most max_points points and
-    max_names names, each name at most name_max_chars; what is past a cap is counted (`counts`), never stored and
-    never a failure. known_names and points: what earlier attempts stored (Supervisor reads them).
+    wait, it keeps one step record in k and counts the others as thinned, so a job that reports faster than the
+    service ingests neither grows the worker's memory nor holds its end for long. Per job: at most max_points
+    points and max_names names, each name at most name_max_chars; what is past a cap is counted (`counts`), never
+    stored and never a failure. known_names and points: what earlier attempts stored (Supervisor reads them).
     """
 
     def __init__(self, path: Path, caps: MetricCaps | None = None, *, known_names: set[str] | None = None,
