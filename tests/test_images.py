@@ -168,3 +168,30 @@ def test_the_cache_evicts_the_least_recently_used_image_but_never_one_in_use(tmp
         os.close(held)
     smaller = images.ImageCache(Settings(data_dir=tmp_path, image_cache_bytes=50))
     assert smaller.evict() == ["inuse"]  # released: now it may go
+
+
+@needs_tools
+def test_two_lanes_naming_one_image_pull_it_once(registry, tmp_path):
+    import threading
+
+    where, log = registry
+    reference = f"{where}/test/bare:1"
+    before = blob_reads(log)
+    alone = images.ImageCache(Settings(data_dir=tmp_path / "a", image_insecure_registries=where)).get(reference)
+    alone.release()
+    one_pull = blob_reads(log) - before
+    assert one_pull > 0 and alone.pulled_s is not None
+
+    cache = images.ImageCache(Settings(data_dir=tmp_path / "b", image_insecure_registries=where))
+    got: list[images.Image] = []
+    lanes = [threading.Thread(target=lambda: got.append(cache.get(reference))) for _ in range(3)]
+    before = blob_reads(log)
+    for lane in lanes:
+        lane.start()
+    for lane in lanes:
+        lane.join(60)
+    assert len(got) == 3 and len({i.rootfs for i in got}) == 1
+    assert blob_reads(log) - before == one_pull  # one lane pulled; the others waited and found it
+    assert sum(i.pulled_s is not None for i in got) == 1
+    for image in got:
+        image.release()

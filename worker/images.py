@@ -7,9 +7,10 @@ land outside it. No Docker engine, no root needed.
 
 The cache is <data_dir>/image-cache/<manifest digest hex>/ (rootfs/ and the image's config.json), content-addressed:
 a tag is resolved to its digest first (one manifest read), a digest reference needs no registry at all once
-pulled. Each entry has <hex>.lock: a pull holds it exclusively (a second lane naming the same image waits and
-then finds it there: one pull per machine), an attempt holds it shared while its ranks run, and eviction takes it
-only without waiting, so an image in use is never removed under a job. Last use and size are <hex>.used and
+pulled. Each entry has <hex>.pull, held by the lane that pulls it (a second lane naming the same image waits and
+then finds it there: one pull per machine), and <hex>.lock, held shared by every attempt that uses it (from before
+its pull until its box closes) and taken by eviction only without waiting, so an image in use is never removed
+under a job. Last use and size are <hex>.used and
 <hex>.bytes, as in worker/packages.py; past TRAINJOBS_IMAGE_CACHE_BYTES the least recently used unused entries go.
 
 NOTE: unpacked with --rootless even by a root worker: device nodes and ownership in a layer are not made on the
@@ -148,13 +149,10 @@ class ImageCache:
         fd = os.open(self.root / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         pulled_s = None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # another lane pulling the same image: wait for it, then use its copy
+            fcntl.flock(fd, fcntl.LOCK_SH)  # in use from here on: eviction passes it by
             if not (final / "rootfs").is_dir():
-                started = time.monotonic()
-                self._pull(reference, digest, final)
-                pulled_s = time.monotonic() - started
+                pulled_s = self._pull_once(reference, digest, final)
             (self.root / f"{name}.used").touch()
-            fcntl.flock(fd, fcntl.LOCK_SH)  # in use: eviction passes it by
         except BaseException:
             os.close(fd)
             raise
@@ -162,6 +160,19 @@ class ImageCache:
         env = dict(item.split("=", 1) for item in (config.get("Env") or []) if "=" in item)
         self.evict(keep=name)
         return Image(reference, digest, final / "rootfs", env, config.get("WorkingDir") or "", pulled_s, fd)
+
+    def _pull_once(self, reference: str, digest: str, final: Path) -> float | None:
+        """Pull under <hex>.pull: another lane pulling the same image is waited for, and its copy used (None)."""
+        fd = os.open(self.root / f"{final.name}.pull", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if (final / "rootfs").is_dir():
+                return None
+            started = time.monotonic()
+            self._pull(reference, digest, final)
+            return time.monotonic() - started
+        finally:
+            os.close(fd)
 
     def resolve(self, reference: str) -> str:
         """The manifest digest `reference` names now: its own, or the registry's answer for its tag."""
