@@ -6,7 +6,7 @@ a join token, and its worker registers and beats with a credential of its own in
 
 import dataclasses
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -83,7 +83,7 @@ class HeldPublic(BaseModel):
 
     cancel_requested: bool
     progress_step: int
-    stacks_requested_at: Any = None
+    stacks_requested_at: datetime | None = None
     preempt_detail: str | None = None
     stopped_early: bool = False
 
@@ -105,10 +105,10 @@ class JoinTokenCreate(BaseModel):
 class JoinTokenPublic(BaseModel):
     id: str
     created_by: str
-    created_at: Any
-    expires_at: Any = None
+    created_at: datetime
+    expires_at: datetime | None = None
     uses_left: int | None = None
-    revoked_at: Any = None
+    revoked_at: datetime | None = None
     token: str | None = Field(None, description="shown once, at creation")
 
     @classmethod
@@ -120,8 +120,8 @@ class JoinTokenPublic(BaseModel):
 class RunnerPublic(BaseModel):
     runner: str
     credential_id: str
-    created_at: Any
-    revoked_at: Any = None
+    created_at: datetime
+    revoked_at: datetime | None = None
 
     @classmethod
     def of(cls, row: Credential) -> "RunnerPublic":
