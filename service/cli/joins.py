@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # annotations only: httpx loads when main() makes the Client
 
     from trainjobs.client import Client
 
-err = LazyConsole(stderr=True, markup=False)
+err = LazyConsole(stderr=True, markup=False, highlight=False)  # plain sentences: no colours on numbers
 
 
 def cmd_create(args, client: Client) -> int:
@@ -29,8 +29,8 @@ def show_secret(made: dict) -> None:
     limits = [f"expires {made['expires_at']}" if made["expires_at"] else "",
               f"{made['uses_left']} use(s)" if made["uses_left"] is not None else ""]
     limits = ", ".join(x for x in limits if x) or "no expiry, any number of machines"
-    err.print(f"join token {made['id']} ({limits}). On the new machine: trainjobs worker --api <this API's URL> "
-              "--join-token <it>. It is shown only now; the service keeps only its hash.")
+    err.print(f"join token {made['id']} ({limits}). On the new machine: trainjobs worker --api URL "
+              "--join-token TOKEN. It is shown only now; the service keeps only its hash.")
 
 
 def cmd_list(args, client: Client) -> int:
