@@ -30,7 +30,7 @@ def show_secret(made: dict) -> None:
               f"{made['uses_left']} use(s)" if made["uses_left"] is not None else ""]
     limits = ", ".join(x for x in limits if x) or "no expiry, any number of machines"
     err.print(f"join token {made['id']} ({limits}). On the new machine: trainjobs worker --api URL "
-              "--join-token TOKEN. It is shown only now; the service keeps only its hash.")
+              "--join-token TOKEN. It is shown only now; the service keeps only its hash.", soft_wrap=True)
 
 
 def cmd_list(args, client: Client) -> int:
