@@ -19,7 +19,7 @@ from service.workers import service as workers
 from trainjobs.runenv import SPEC_FILE
 from trainjobs.spec import JobSpec
 from trainjobs.states import AttemptStatus, ErrorType, JobStatus
-from worker import devices, gang
+from worker import control, devices, gang
 from worker.inventory import Offer, probe
 from worker.launch import Gang
 from worker.root_cause import is_peer_error
@@ -111,7 +111,8 @@ def run_attempt(sessions, *, settings: Settings, job_id: str, attempt: int, spec
                              what="bind the devices")
         run_dir = prepare_run_dir(settings, job_id=job_id, attempt=attempt, spec=spec, node_rank=node_rank)
         supervisor = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=attempt,
-                                spec=spec, run_dir=run_dir, gang=launch_gang, share=share)
+                                spec=spec, run_dir=run_dir, gang=launch_gang, share=share,
+                                control=control.for_worker(settings, sessions))
         _supervisor = supervisor
         supervisor.preempt_requests = _preempt_requests  # any that came while it was being set up
         try:

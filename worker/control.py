@@ -14,10 +14,14 @@ from pathlib import Path
 from typing import Protocol
 
 import httpx
+from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.auth.tokens import write_secret
-from service.settings import Settings
+from service.db import UNREACHABLE, is_refusal
+from service.errors import TrainjobsError
+from service.runners import protocol
+from service.settings import Settings, get_settings
 from service.workers import service as workers
 
 log = logging.getLogger(__name__)
@@ -28,7 +32,22 @@ class Revoked(Exception):
     """The API refused this machine's credential: an admin revoked it (or it never joined)."""
 
 
+class Unreachable(Exception):
+    """The control plane did not answer (the API or the database away, a timeout, a 5xx): nothing was refused,
+    the same call later may work. A call that changed something answers a replay as the first time."""
+
+
+class Refused(Exception):
+    """The control plane answered that it will not take this call (a 4xx, or the database refusing the
+    statement): the same again would be refused again. `status` is the HTTP status (0 in-process)."""
+
+    def __init__(self, detail: str, status: int = 0):
+        super().__init__(detail)
+        self.detail, self.status = detail, status
+
+
 class Control(Protocol):
+    def call(self, name: str, body: dict) -> dict | None: ...
     def register(self, inventory: dict) -> None: ...
     def beat(self, *, worker_id: str, draining: bool, pressure: str | None, devices: list[dict] | None) -> bool: ...
     def remove(self, worker_id: str) -> None: ...
@@ -37,8 +56,26 @@ class Control(Protocol):
 class DatabaseControl:
     """The worker's own row, written in the database (a worker that holds its URL)."""
 
-    def __init__(self, sessions: sessionmaker[Session]):
-        self.sessions = sessions
+    def __init__(self, sessions: sessionmaker[Session], settings: Settings | None = None):
+        self.sessions, self.settings = sessions, settings or get_settings()
+
+    def call(self, name: str, body: dict) -> dict | None:
+        """The protocol's call `name` run here, as the API would run it (service/runners/protocol.py): the body
+        checked by its model, the handler's answer as JSON data."""
+        found = protocol.CALLS[name]
+        try:
+            parsed = found.body.model_validate(body)
+        except ValidationError as exc:  # a bug of this worker's: the API would answer 422
+            raise Refused(str(exc), 422) from exc
+        try:
+            with self.sessions() as db:
+                return protocol.answer_json(found, found.handler(db, protocol.TRUSTED, self.settings, parsed))
+        except UNREACHABLE as exc:
+            if is_refusal(exc):
+                raise Refused(str(exc)) from exc
+            raise Unreachable(f"the database is out of reach ({type(exc).__name__})") from exc
+        except TrainjobsError as exc:
+            raise Refused(str(exc), exc.status_code) from exc
 
     def register(self, inventory: dict) -> None:
         with self.sessions() as db:
@@ -71,6 +108,20 @@ class ApiControl:
         response.raise_for_status()
         return response
 
+    def call(self, name: str, body: dict) -> dict | None:
+        """POST /v1/worker/<name> with this machine's credential: its answer's JSON (None for a 204)."""
+        try:
+            response = self.client.post(f"/v1/worker/{name}", json=body)
+        except httpx.TransportError as exc:
+            raise Unreachable(f"the API is out of reach ({type(exc).__name__}: {exc})") from exc
+        if response.status_code == 401:
+            raise Revoked(_detail(response))
+        if response.status_code >= 500 or response.status_code in (408, 429):
+            raise Unreachable(f"the API answered HTTP {response.status_code}: {_detail(response)}")
+        if response.status_code >= 400:
+            raise Refused(_detail(response), response.status_code)
+        return None if response.status_code == 204 else response.json()
+
     def register(self, inventory: dict) -> None:
         self._post("/v1/worker/register", inventory)
 
@@ -90,6 +141,23 @@ class ApiControl:
         if response.status_code == 401:
             raise Revoked(response.json().get("detail", "unauthorized"))
         response.raise_for_status()
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("detail", response.text))
+    except ValueError:
+        return response.text[:500]
+
+
+def for_worker(settings: Settings, sessions: sessionmaker[Session] | None) -> "Control":
+    """How this process reaches the control plane: the API with the machine's saved credential where the worker
+    joined one, else the database."""
+    found = saved(settings)
+    if found is not None:
+        return found
+    assert sessions is not None, "a worker that joined no API needs the database"
+    return DatabaseControl(sessions, settings)
 
 
 def runner_name() -> str:

@@ -17,7 +17,8 @@ from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec
 from trainjobs.states import ErrorType, JobStatus
-from worker import control, devices, environments, launch, processes, store_sync
+from worker import control as worker_control
+from worker import devices, environments, launch, processes, store_sync
 from worker.attempt import outcome, prepare, start
 from worker.attempt.outcome import Outcome
 from worker.attempt.place import Placed
@@ -39,8 +40,12 @@ class Supervisor:
     """One attempt of one job on this node (of its gang), from launch to the last process gone."""
 
     def __init__(self, *, sessions: sessionmaker[Session], settings: Settings, job_id: str, attempt: int,
-                 spec: JobSpec, run_dir: Path, gang: launch.Gang | None = None, share: dict | None = None):
+                 spec: JobSpec, run_dir: Path, gang: launch.Gang | None = None, share: dict | None = None,
+                 control: worker_control.Control | None = None):
         self.sessions, self.settings, self.spec = sessions, settings, spec
+        # How it reaches the control plane (worker/control.py): the API where the worker joined one, else the
+        # database; the protocol's calls are the same either way.
+        self.control = control or worker_control.for_worker(settings, sessions)
         self.placed = Placed.of(share, spec)  # its devices on a shared worker, or the whole worker
         self.job_id, self.attempt, self.run_dir, self.gang = job_id, attempt, run_dir, gang
         self.node_rank = gang.node_rank if gang else 0
@@ -49,7 +54,7 @@ class Supervisor:
         self.cancel_requested = False
         # Renewed on a thread of its own from run()'s start to its end, never by shipping (worker/lease.py).
         self.lease = Lease(sessions, settings, job_id=job_id, attempt=attempt, node_rank=self.node_rank,
-                           api=control.saved(settings))
+                           api=self.control if isinstance(self.control, worker_control.ApiControl) else None)
         self._removed_checkpoints: list[str] = []  # half-written ones, once the ranks were gone
         self._disk_short = False  # its storage or run dir was below worker_min_free_bytes when the ranks ended
         self.preempt_requests = 0  # the worker is shutting down: 1 = checkpoint and hand back, 2 = stop now

@@ -21,7 +21,7 @@ from service.db import utcnow
 from service.deps import SessionDep, SettingsDep
 from service.errors import Forbidden, NotFound
 from service.jobs import lifecycle
-from service.runners import credentials
+from service.runners import assign_calls, attempt_calls, credentials, protocol, ship_calls  # noqa: F401 (they register)
 from service.runners.credentials import Runner
 from service.runners.models import Credential, JoinToken
 from service.workers import service as workers
@@ -179,6 +179,20 @@ def _check_own(db: Session, runner: Runner, worker_id: str) -> None:
 router = APIRouter(prefix="/v1/worker", tags=["worker protocol"])
 
 
+def _serve(found: protocol.Call):
+    """`POST /v1/worker/<name>` for one of the protocol's calls: the caller's credential, the body checked by its
+    model, the handler in the threadpool (it does blocking I/O), its answer as JSON (or 204)."""
+    def endpoint(body: found.body, runner: RunnerDep, db: SessionDep, settings: SettingsDep):  # type: ignore[name-defined]
+        with db:
+            answer = found.handler(db, runner, settings, body)
+        return Response(status_code=204) if found.answer is None else answer
+
+    endpoint.__name__ = f"worker_{found.name.replace('/', '_').replace('-', '_')}"
+    endpoint.__doc__ = found.summary
+    router.add_api_route(f"/{found.name}", endpoint, methods=["POST"], response_model=found.answer,
+                         status_code=204 if found.answer is None else 200, summary=found.summary.split("\n")[0])
+
+
 @router.post("/join", response_model=JoinPublic, status_code=201)
 def join(secret: Annotated[str, Depends(join_secret)], body: JoinBody, db: SessionDep,
          settings: SettingsDep) -> JoinPublic:
@@ -253,6 +267,9 @@ def deregister(worker_id: str, runner: RunnerDep, db: SessionDep) -> Response:
         db.commit()
     return Response(status_code=204)
 
+
+for _call in protocol.CALLS.values():
+    _serve(_call)
 
 admin_router = APIRouter(tags=["workers"])
 
