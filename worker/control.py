@@ -15,6 +15,7 @@ from typing import Protocol
 
 import httpx
 from pydantic import ValidationError
+from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.auth.tokens import write_secret
@@ -58,6 +59,7 @@ class DatabaseControl:
 
     def __init__(self, sessions: sessionmaker[Session], settings: Settings | None = None):
         self.sessions, self.settings = sessions, settings or get_settings()
+        self.redis: Redis | None = None
 
     def call(self, name: str, body: dict) -> dict | None:
         """The protocol's call `name` run here, as the API would run it (service/runners/protocol.py): the body
@@ -68,8 +70,11 @@ class DatabaseControl:
         except ValidationError as exc:  # a bug of this worker's: the API would answer 422
             raise Refused(str(exc), 422) from exc
         try:
+            if self.redis is None:
+                self.redis = Redis.from_url(self.settings.redis_url)
             with self.sessions() as db:
-                return protocol.answer_json(found, found.handler(db, protocol.TRUSTED, self.settings, parsed))
+                ctx = protocol.Context(protocol.TRUSTED, self.settings, self.redis)
+                return protocol.answer_json(found, found.handler(db, ctx, parsed))
         except UNREACHABLE as exc:
             if is_refusal(exc):
                 raise Refused(str(exc)) from exc

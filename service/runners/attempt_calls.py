@@ -9,8 +9,7 @@ from sqlalchemy.orm import Session
 
 from service.jobs import records
 from service.runners import protocol
-from service.runners.protocol import Caller
-from service.settings import Settings
+from service.runners.protocol import Context
 
 JOB_ID = Field(max_length=32)
 
@@ -26,9 +25,9 @@ class PhaseBody(AttemptRef):
 
 
 @protocol.call("phase", body=PhaseBody)
-def phase(db: Session, caller: Caller, settings: Settings, body: PhaseBody) -> None:
+def phase(db: Session, ctx: Context, body: PhaseBody) -> None:
     """What a starting attempt is doing before its ranks run (installing requirements, launching): the job's
     pending_reason while it starts. Written only while the attempt holds the job and it starts."""
-    protocol.own_attempt(db, caller, job_id=body.job_id, attempt=body.attempt, node_rank=body.node_rank)
+    protocol.own_attempt(db, ctx.caller, job_id=body.job_id, attempt=body.attempt, node_rank=body.node_rank)
     records.record_phase(db, job_id=body.job_id, attempt=body.attempt, phase=body.phase)
     db.commit()

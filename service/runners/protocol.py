@@ -1,6 +1,7 @@
 """The worker protocol's calls (issue 42, docs/architecture.md "The worker protocol"), one registry for both sides.
 
-Each call is a handler `(db, caller, settings, body) -> answer` with a pydantic body and answer. The API serves
+Each call is a handler `(db, ctx, body) -> answer` with a pydantic body and answer; `ctx` says who calls
+(`ctx.caller`), with the settings and the queue's Redis. The API serves
 each as `POST /v1/worker/<name>` (service/runners/router.py), with a worker credential as the caller; a worker
 that still holds the database's URL calls the same handler in-process (worker/control.py DatabaseControl), with
 `TRUSTED` as the caller. So there is one protocol, tested both ways, and dropping the database worker drops
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pydantic import BaseModel
+from redis import Redis
 from sqlalchemy.orm import Session
 
 from service.errors import Forbidden
@@ -43,7 +45,14 @@ class Trusted:
 
 TRUSTED = Trusted()
 
-Handler = Callable[[Session, Caller, Settings, BaseModel], BaseModel | None]
+@dataclass(frozen=True)
+class Context:
+    caller: Caller
+    settings: Settings
+    redis: Redis  # the queues' (a client connects on its first command)
+
+
+Handler = Callable[[Session, Context, BaseModel], BaseModel | None]
 
 
 @dataclass(frozen=True)

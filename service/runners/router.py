@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from service.auth.deps import PrincipalDep, Unauthorized
 from service.auth.tokens import hash_secret
 from service.db import utcnow
-from service.deps import SessionDep, SettingsDep
+from service.deps import RedisDep, SessionDep, SettingsDep
 from service.errors import Forbidden, NotFound
 from service.jobs import lifecycle
 from service.runners import assign_calls, attempt_calls, credentials, protocol, ship_calls  # noqa: F401 (they register)
@@ -182,9 +182,10 @@ router = APIRouter(prefix="/v1/worker", tags=["worker protocol"])
 def _serve(found: protocol.Call):
     """`POST /v1/worker/<name>` for one of the protocol's calls: the caller's credential, the body checked by its
     model, the handler in the threadpool (it does blocking I/O), its answer as JSON (or 204)."""
-    def endpoint(body: found.body, runner: RunnerDep, db: SessionDep, settings: SettingsDep):  # type: ignore[name-defined]
+    def endpoint(body: found.body, runner: RunnerDep, db: SessionDep, settings: SettingsDep,  # type: ignore[name-defined]
+                 redis: RedisDep):
         with db:
-            answer = found.handler(db, runner, settings, body)
+            answer = found.handler(db, protocol.Context(runner, settings, redis), body)
         return Response(status_code=204) if found.answer is None else answer
 
     endpoint.__name__ = f"worker_{found.name.replace('/', '_').replace('-', '_')}"
