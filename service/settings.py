@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     worker_join_token: str | None = Field(None, repr=False, description="the join token an admin made "
                                           "(`trainjobs worker-token create`), exchanged once for a credential")
     worker_credential_file: Path | None = Field(None, description="where a joined worker keeps its credential "
-                                                "(0600); default: <secrets_dir>/worker-credential.json")
+                                                "(0600); default: <secrets_dir>/worker-credential-<runner>.json")
     token: str | None = Field(None, repr=False, description="the CLI's API token (else the admin token file)")
     # The service's own secrets (the admin token file): never inside a folder a job is handed (the data dir,
     # storage, scripts), so neither a link out of a job's folder nor a volume shared with workers reaches it.

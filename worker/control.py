@@ -6,6 +6,7 @@ A joined worker keeps its credential in a file (0600, TRAINJOBS_WORKER_CREDENTIA
 token an admin made; a credential revoked (401) is `Revoked`: the worker hands its jobs back and stops.
 """
 
+import fcntl
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from service.workers import service as workers
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 10.0
+CREDENTIAL_FILE_ENV = "TRAINJOBS_WORKER_CREDENTIAL_FILE"
 
 
 class Revoked(Exception):
@@ -171,27 +173,43 @@ def runner_name() -> str:
     return os.environ.get("TRAINJOBS_WORKER_NAME") or socket.gethostname()
 
 
-def credential_file(settings: Settings) -> Path:
-    return settings.worker_credential_file or settings.resolved_secrets_dir / "worker-credential.json"
+def credential_file(settings: Settings, runner: str) -> Path:
+    """Where this machine keeps its credential: TRAINJOBS_WORKER_CREDENTIAL_FILE, else one file per runner in the
+    secrets dir (several workers of one data dir, named apart, are several runners)."""
+    return settings.worker_credential_file or settings.resolved_secrets_dir / f"worker-credential-{runner}.json"
 
 
 def saved(settings: Settings) -> ApiControl | None:
     """This machine's control through the API, from the credential its worker saved when it joined (a work-horse
-    uses it); None for a worker that writes the database itself."""
+    uses it: the worker put the file's path in its environment); None for a worker that writes the database."""
     if settings.worker_api is None:
         return None
-    found = json.loads(credential_file(settings).read_text())
+    path = os.environ.get(CREDENTIAL_FILE_ENV) or credential_file(settings, runner_name())
+    found = json.loads(Path(path).read_text())
     return ApiControl(settings.worker_api, found["credential"])
 
 
 def joined(settings: Settings, *, runner: str) -> ApiControl:
-    """This machine's control through the API: its saved credential, else one got now for the join token."""
+    """This machine's control through the API: its saved credential, else one got now for the join token.
+
+    Several workers starting at once on one machine (`trainjobs up --workers 4`) join one at a time (a file
+    lock): the first exchanges the token, the others read what it saved. Each join revokes the runner's earlier
+    credential, so a second join would cut the first worker off.
+    """
     assert settings.worker_api is not None
-    path = credential_file(settings)
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved.get("api") == settings.worker_api and saved.get("runner") == runner:
-            return ApiControl(settings.worker_api, saved["credential"])
+    path = credential_file(settings, runner)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.environ[CREDENTIAL_FILE_ENV] = str(path)  # for the work-horses this process forks
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            found = json.loads(path.read_text())
+            if found.get("api") == settings.worker_api and found.get("runner") == runner:
+                return ApiControl(settings.worker_api, found["credential"])
+        return _join(settings, runner=runner, path=path)
+
+
+def _join(settings: Settings, *, runner: str, path: Path) -> ApiControl:
     if not settings.worker_join_token:
         raise SystemExit(f"trainjobs worker: {path} holds no credential for {settings.worker_api} and no join token "
                          "was given: ask an admin for one (trainjobs worker-token create) and pass --join-token")
@@ -199,9 +217,8 @@ def joined(settings: Settings, *, runner: str) -> ApiControl:
                           headers={"Authorization": f"Bearer {settings.worker_join_token}"}, timeout=TIMEOUT_S)
     if response.status_code != 201:
         raise SystemExit(f"trainjobs worker: joining {settings.worker_api} failed: HTTP {response.status_code}: "
-                         f"{response.json().get('detail', response.text)}")
+                         f"{_detail(response)}")
     answer = response.json()
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_secret(path, json.dumps({"api": settings.worker_api, "runner": runner, "credential": answer["credential"],
                                    "credential_id": answer["credential_id"]}))
     log.info("joined %s as runner %s (credential %s, kept in %s)", settings.worker_api, runner,
