@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -18,8 +19,9 @@ from redis.exceptions import AuthenticationError
 
 from service import migrate
 from service.auth import tokens
-from service.db import make_engine, make_private_dir, make_sessionmaker
+from service.db import make_engine, make_private_dir, make_sessionmaker, utcnow
 from service.redis_auth import needs_no_password, with_password
+from service.runners import credentials
 from service.settings import Settings, check_bind
 
 # NOTE: how long the API keeps an idle keep-alive connection: nginx's default, well past the 5 s that clients keep
@@ -31,6 +33,9 @@ KEEP_ALIVE_S = 75
 
 log = logging.getLogger(__name__)
 
+# Issue 42: a stack's workers join its API with a credential of their own instead of the database's URL. Off until
+# every write of a worker goes through the worker protocol (docs/architecture.md "The worker protocol", step 6).
+JOIN = False
 REDIS_PASSWORD_FILE = "redis.password"  # in the secrets dir: the password of the Redis `up` starts itself
 
 
@@ -70,9 +75,13 @@ class Stack:
     """Processes started together and stopped together (Ctrl-C or SIGTERM stops every one)."""
 
     def __init__(self, settings: Settings, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1,
-                 quiet: bool = False, api_workers: int = 1):
+                 quiet: bool = False, api_workers: int = 1, join: bool = JOIN):
         self.settings, self.host, self.port, self.workers = settings, host, port, workers
         self.api_workers = api_workers
+        # Issue 42: its workers join the API over loopback with a join token made at start, as a GPU machine joins
+        # a pool, and hold no database URL (False: they write the database themselves, as before).
+        self.join = join
+        self.join_token: str | None = None
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.output = subprocess.DEVNULL if quiet else None
         self.api_url = f"http://{host}:{port}"
@@ -108,6 +117,8 @@ class Stack:
         check_bind(self.settings, self.host)
         if self.settings.auth:
             self.token = self._admin_token()
+        if self.join:
+            self.join_token = self._make_join_token()
         python = sys.executable
         self._spawn("api", [python, "-m", "uvicorn", "service.api.asgi:app", "--host", self.host,
                             "--port", str(self.port), "--log-level", "warning", "--workers", str(self.api_workers),
@@ -127,13 +138,35 @@ class Stack:
         path = self.settings.admin_token_file
         return self.new_admin_token or (path.read_text().strip() if path.is_file() else None)
 
+    def _make_join_token(self) -> str:
+        """A join token for this stack's workers (any number of them, for a day: `add_workers` may start more),
+        made in the database before the API starts, as the admin token is."""
+        engine = make_engine(self.settings.resolved_database_url)
+        try:
+            with make_sessionmaker(engine)() as db:
+                _, secret = credentials.create_join_token(db, created_by="trainjobs up",
+                                                          expires_at=utcnow() + timedelta(days=1), uses=None)
+                db.commit()
+        finally:
+            engine.dispose()
+        return secret
+
+    def worker_env(self) -> dict[str, str]:
+        """What a worker of this stack is given on top of env(): where to join, and no database URL (it reaches
+        the database only through the API)."""
+        if not self.join:
+            return {}
+        return {"TRAINJOBS_WORKER_API": self.api_url, "TRAINJOBS_WORKER_JOIN_TOKEN": self.join_token or "",
+                "TRAINJOBS_DATABASE_URL": ""}
+
     def add_workers(self, n: int, args: list[str] | None = None, env: dict[str, str] | None = None
                     ) -> list[subprocess.Popen]:
         """Start n more workers, on a stack that is starting or already running; `args` are `trainjobs worker`
         flags (--slots 1 --label zone=a), `env` extra environment. Returns their processes."""
         first = sum(name.startswith("worker") for name, _ in self.procs)
         for i in range(first, first + n):
-            self._spawn(f"worker-{i}", [sys.executable, "-m", "worker.main", *(args or [])], env=env)
+            self._spawn(f"worker-{i}", [sys.executable, "-m", "worker.main", *(args or [])],
+                        env={**self.worker_env(), **(env or {})})
         return [p for _, p in self.procs[-n:]] if n else []
 
     def _redis_url_for_children(self) -> str:
