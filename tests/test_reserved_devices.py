@@ -1,8 +1,8 @@
 """A reservation on a shared worker holds named devices (issue 30: "a reservation holds specific devices; backfill
 uses the rest"): the best-linked set among those free now and those its soonest-ending jobs free, shown in the
 reasons users read; the worker keeps backfill off them and gives the gang exactly them. Pure snapshots of
-service/scheduling/policy.py on real machines' topologies (tests/fixtures/topo), then the worker's dispatcher
-and the holds table on both databases.
+service/scheduling/policy.py on real machines' topologies (tests/fixtures/topo), then the scheduler's pass
+(service/jobs/assigner.py: its assignments and holds) on both databases.
 """
 
 from dataclasses import replace
@@ -15,22 +15,20 @@ from rich.console import Console
 from service.api.app import create_app
 from service.cli import pool as cli_pool
 from service.db import make_engine, make_sessionmaker
-from service.jobs import lifecycle
+from service.jobs import assigner, lifecycle, queue
 from service.jobs import service as jobs
-from service.scheduling import placement
+from service.jobs.models import Job
+from service.scheduling import assign, placement
 from service.scheduling import service as scheduling
 from service.scheduling.placement import Device, Level, Link, Machine, cpu_machine, machine_from_topo
 from service.scheduling.policy import Node, plan
-from service.settings import Settings as ServiceSettings
 from service.workers import holds
 from service.workers import service as workers
-from tests.conftest import admin_token, mlp_spec
+from tests.conftest import QUEUE_PREFIX, admin_token, mlp_spec
 from tests.test_scheduler_policy import DAY, NOW, reason, running, snapshot, started, waiting
 from trainjobs.spec import JobSpec
 from trainjobs.states import JobStatus
 from worker import devices as worker_devices
-from worker.dispatch import Chooser
-from worker.inventory import Offer
 
 TOPO = Path(__file__).parent / "fixtures" / "topo"
 GPUS = tuple(Device(i, f"GPU-{i:04x}") for i in range(8))
@@ -156,7 +154,7 @@ def gpu_spec(name: str, nproc: int, *, nnodes: int = 1, timeout_s: float = DAY) 
 
 
 def run_on(db, job_id: str, worker: str, devices: list[int]) -> int:
-    """Claim the job on `worker` holding `devices`, as a worker's dispatcher and claim do."""
+    """Claim the job on `worker` holding `devices`, as the scheduler's pass and the worker's claim do."""
     assert holds.take(db, worker_id=worker, job_id=job_id, node_rank=0, devices=devices)
     attempt, _ = lifecycle.claim(db, job_id=job_id, worker=worker, lease_s=600)
     holds.bind(db, worker_id=worker, job_id=job_id, node_rank=0, attempt=attempt)
@@ -188,17 +186,21 @@ def two_pcie_workers(db, busy: list[tuple[str, int, float, str, list[int]]]) -> 
     return out
 
 
-def w1_chooser(sessions, settings) -> Chooser:
-    offer = Offer(id="w1", host="w1", address="10.0.0.1", device="cuda", slots=8, memory_bytes=80 * 2**30,
-                  host_memory_bytes=2**40, max_jobs=8, machine=replace(PCIE, id="w1"))
-    return Chooser(sessions, offer, settings)
+def enqueued(redis, *job_ids: str) -> None:
+    for job_id in job_ids:
+        queue.enqueue(redis, prefix=QUEUE_PREFIX, job_id=job_id, priority="normal", timeout_s=DAY)
+
+
+def one_pass(sessions, redis, settings) -> assigner.Report:
+    with sessions() as db:
+        return assigner.run_pass(db, redis, settings, cache={})
 
 
 # w1: GPUs 0-2 end in 600 s, 4-5 in a day, 3, 6 and 7 are free; w2: all 8 end in 1,200 s.
 BUSY = [("soon", 3, 600, "w1", [0, 1, 2]), ("long", 2, DAY, "w1", [4, 5]), ("full", 8, 1200, "w2", list(range(8)))]
 
 
-def test_backfill_on_a_reserved_worker_never_takes_a_reserved_gpu_and_the_gang_then_gets_them(settings):
+def test_backfill_on_a_reserved_worker_never_takes_a_reserved_gpu_and_the_gang_then_gets_them(settings, redis):
     settings = settings.model_copy(update={"reserve_after_s": 0.0})
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
@@ -208,39 +210,36 @@ def test_backfill_on_a_reserved_worker_never_takes_a_reserved_gpu_and_the_gang_t
             the_gang = jobs.create(db, spec=gpu_spec("gang", 4, nnodes=2)).id
             smalls = [jobs.create(db, spec=gpu_spec(f"small{i}", 1)).id for i in range(3)]
             db.commit()
+        enqueued(redis, the_gang, *smalls)
 
-        chooser = w1_chooser(sessions, settings)
-        entries = dict.fromkeys([the_gang, *smalls], "q")
-        with sessions() as db:
-            snap_plan = chooser.plan(db, entries)
-            assert snap_plan.reservations[0].devices == {"w1": (0, 1, 2, 3), "w2": (0, 1, 2, 3)}
-            _, mine = chooser.choose(db, entries)
-        assert mine == smalls[:2]  # GPUs 6 and 7 are open; 3 is the gang's
-        for small in mine:
-            assert chooser.hold(small)
-        assert not chooser.hold(smalls[2])  # only GPU 3 is free, and it is held for the gang
+        report = one_pass(sessions, redis, settings)
+        assert report.plan.reservations[0].devices == {"w1": (0, 1, 2, 3), "w2": (0, 1, 2, 3)}
+        # GPUs 6 and 7 are open; 3 is the gang's: the third small job waits.
+        assert sorted(p.job_id for p in report.assigned) == sorted(smalls[:2])
+        assert {p.worker_id for p in report.assigned} == {"w1"}
+        assert sorted(d for p in report.assigned for d in p.devices) == [6, 7]
         with sessions() as db:
             taken = holds.held(db, worker_id="w1")
             assert sorted(d for d, (job, _) in taken.items() if job in smalls) == [6, 7]
             assert 3 not in taken
-            # The sweeper's plan, from the rows alone, says the same to the job left waiting.
-            why = plan(scheduling.snapshot(db, settings)).place(smalls[2]).reason
+            # The pass's plan, from the rows alone, says the same to the job left waiting.
+            why = db.get(Job, smalls[2]).pending_reason
             assert "reserved for job " + the_gang + " (needs 2 nodes) holding GPUs 0-3 on w1" in why, why
 
             end(db, *running_jobs["soon"], "w1")
             end(db, *running_jobs["full"], "w2")
-            _, mine = chooser.choose(db, entries)
-        assert mine[0] == the_gang
-        assert chooser.hold(the_gang)
+        report = one_pass(sessions, redis, settings)
+        [gang_node] = [p for p in report.assigned if p.job_id == the_gang]
+        assert gang_node.devices == (0, 1, 2, 3)  # node 0 on exactly the devices held for it
         with sessions() as db:
-            taken = holds.held(db, worker_id="w1")
+            taken = holds.held(db, worker_id=gang_node.worker_id)
         assert sorted(d for d, (job, _) in taken.items() if job == the_gang) == [0, 1, 2, 3]
     finally:
         engine.dispose()
 
 
 @pytest.mark.parametrize("let", [True, False])
-def test_a_job_that_ends_before_the_reservation_fills_may_take_its_devices(settings, let):
+def test_a_job_that_ends_before_the_reservation_fills_may_take_its_devices(settings, redis, let):
     # Only GPU 3 of w1 is free and it is the gang's: a job the reservation lets (ends before the gang's GPUs do)
     # takes it; one that would outlast that waits.
     settings = settings.model_copy(update={"reserve_after_s": 0.0})
@@ -253,11 +252,9 @@ def test_a_job_that_ends_before_the_reservation_fills_may_take_its_devices(setti
             the_gang = jobs.create(db, spec=gpu_spec("gang", 4, nnodes=2)).id
             small = jobs.create(db, spec=gpu_spec("small", 1, timeout_s=60 if let else 2 * DAY)).id
             db.commit()
-        chooser = w1_chooser(sessions, settings)
-        with sessions() as db:
-            _, mine = chooser.choose(db, dict.fromkeys([the_gang, small], "q"))
-        assert mine == ([small] if let else [])
-        assert chooser.hold(small) is let
+        enqueued(redis, the_gang, small)
+        report = one_pass(sessions, redis, settings)
+        assert [(p.job_id, p.worker_id, p.devices) for p in report.assigned] == ([(small, "w1", (3,))] if let else [])
         with sessions() as db:
             assert [d for d, (job, _) in holds.held(db, worker_id="w1").items() if job == small] == ([3] if let else [])
     finally:
@@ -297,16 +294,15 @@ def test_trainjobs_queue_prints_the_devices_a_reservation_holds(monkeypatch):
             "2026-12-07 01:00:00") in out.export_text()
 
 
-def test_the_worker_gives_a_job_its_kept_devices_while_healthy_and_keeps_every_other_job_off_them(tmp_path):
-    chooser = w1_chooser(None, ServiceSettings(data_dir=tmp_path / "data"))
-    chooser.kept = {"gang": (0, 1, 2, 3), "forming": (6,)}
-    assert chooser.pick(PCIE, set(range(8)), 4, "gang") == (0, 1, 2, 3)
-    small = chooser.pick(PCIE, set(range(8)), 1, "small")
+def test_the_pass_gives_a_job_its_kept_devices_while_healthy_and_keeps_every_other_job_off_them():
+    kept = {"gang": (0, 1, 2, 3), "forming": (6,)}
+    assert assign.pick(PCIE, set(range(8)), 4, "gang", kept, {}) == (0, 1, 2, 3)
+    small = assign.pick(PCIE, set(range(8)), 1, "small", kept, {})
     assert small is not None and not set(small) & {0, 1, 2, 3, 6}
-    assert chooser.pick(PCIE, {3, 6}, 1, "small") is None  # only kept devices are free: its entry goes back
-    chooser.let = {"short": {0, 1, 2, 3}}  # a job that ends before the gang's devices free up
-    assert chooser.pick(PCIE, {3, 6}, 1, "short") == (3,)
+    assert assign.pick(PCIE, {3, 6}, 1, "small", kept, {}) is None  # only kept devices are free: it waits
+    let = {"short": {0, 1, 2, 3}}  # a job that ends before the gang's devices free up
+    assert assign.pick(PCIE, {3, 6}, 1, "short", kept, let) == (3,)
     # A kept GPU that turned unhealthy is not given: the gang gets the best healthy set, still not 6.
     sick = replace(PCIE, devices=tuple(replace(d, healthy=d.index != 2) for d in PCIE.devices))
-    got = chooser.pick(sick, set(range(8)), 4, "gang")
+    got = assign.pick(sick, set(range(8)), 4, "gang", kept, {})
     assert got is not None and len(got) == 4 and not set(got) & {2, 6}

@@ -1,18 +1,22 @@
-"""Dequeue by the scheduler's plan: a worker takes the queue entry of the job the plan gives it, if any.
+"""Dequeue what the control plane assigned: a worker takes the entries on its own queue, and gang node tasks it fits.
 
-RQ's own dequeue pops the head of a queue, whatever it is. Here a worker first looks at the gang node tasks
-(a gang that has begun to form gets its workers before anything starts) and takes one it fits; then it plans
-the pool (service/scheduling/policy.py: priority, fair share, quotas, reservations, best fit) on a snapshot of
-the database and removes, with LREM, the entry of the first job assigned to it: LREM's count says which worker
-won it. A job no worker may take now stays on its queue and queued; the sweeper writes why (pending_reason).
-The claim's compare-and-set in the database still decides who runs it.
+The scheduler runs in the control plane (service/jobs/assigner.py): one plan per pass assigns each job it starts
+to a worker and its devices, holds them, and moves the job's entry onto that worker's own queue
+(`<prefix>-w-<worker id>`). A lane here pops that queue (BLPOP: an assignment is taken the moment it lands) and only
+checks that the job still fits (the `assignment` call, service/runners/assign_calls.py: still its assignment, its
+devices healthy and held for it); one that does not is given back there. It reads no pool and runs no plan. The
+claim's compare-and-set in the database still decides who runs a job.
+
+A gang's node tasks (nodes 1.. of a job whose node 0 is claimed) wait on the gang queue, served first: a lane takes
+one its worker fits, with devices of its own (holds.take; a shared worker's lanes take them one at a time, a file
+lock), as before the one scheduler; the pass's plan keeps their workers' room for them.
 
 An entry is only a hint, and anything that reached Redis may have written it: a stale entry (its job no longer
-queued, or no job at all) is removed, never run, and an entry that names anything but the service's two job
-functions with the arguments the service writes is removed and logged as a security event (queue.refusal).
+queued, not assigned to this worker, or no job at all) is removed, never run, and an entry that names anything but
+the service's two job functions with the arguments the service writes is removed and logged as a security event
+(queue.refusal).
 """
 
-import dataclasses
 import fcntl
 import logging
 import time
@@ -26,43 +30,53 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE
 from service.jobs import service as jobs
-from service.jobs.queue import GANG, SECURITY, parse_node_task_id, refusal
-from service.scheduling import placement, policy
-from service.scheduling import service as scheduling
+from service.jobs.queue import GANG, PRIORITIES, SECURITY, kick, parse_node_task_id, refusal
+from service.scheduling import placement
 from service.settings import Settings
 from service.workers import fit, holds
 from service.workers import service as workers
 from trainjobs.states import JobStatus
 from worker import devices
+from worker.control import Control, Refused, Unreachable, for_worker
 
 log = logging.getLogger(__name__)
 SCAN = 200  # gang node tasks looked at per pass
-SCAN_JOBS = 5000  # entries of each priority queue looked at per pass
-POLL_S = 0.5  # between passes while nothing fits
+POLL_S = 0.5  # the longest a lane waits on its own queue before it looks at the gang queue again
 
 
-class Chooser:
-    """This worker's view: what it offers, and the database to read jobs from."""
+class Taker:
+    """This worker's side of dispatch: what it offers, how it reaches the control plane, and its own holds (the
+    gang node tasks it takes)."""
 
-    def __init__(self, sessions: sessionmaker[Session], offer: fit.Offer, settings: Settings,
-                 pressure: Callable[[], str | None] = lambda: None):
+    def __init__(self, sessions: sessionmaker[Session] | None, offer: fit.Offer, settings: Settings,
+                 pressure: Callable[[], str | None] = lambda: None, control: Control | None = None):
         self.sessions, self.offer, self.settings = sessions, offer, settings
         self.pressure = pressure  # why this worker must take no job now (a full disk), or None
-        self.lost_after_s = settings.lease_s
-        self.reqs: dict[str, scheduling.Req] = {}  # the same, for the scheduler's snapshot
+        self.control = control
         self.node_slots: dict[str, int] = {}  # gang node task -> the slots its node needs (from takes)
         self.machine = getattr(offer, "machine", None)
         self.shared = getattr(offer, "max_jobs", 1) > 1
-        # The lanes of one worker take entries one at a time (the holds' key would refuse a second taker anyway).
+        # The lanes of one worker take node tasks one at a time (the holds' key would refuse a second taker anyway).
         self.lock_path = settings.runs_dir / f".take-{offer.id.replace('/', '_')}.lock" if self.shared else None
-        # From the last plan: the devices held here for a job (a reservation's, a forming gang's), and those a
-        # reservation lets a job take (backfill that ends before it fills). Other jobs keep off them.
-        self.kept: dict[str, tuple[int, ...]] = {}
-        self.let: dict[str, set[int]] = {}
+
+    def calls(self) -> Control:
+        if self.control is None:  # made in the lane that uses it (a lane is a fork: no connection inherited)
+            self.control = for_worker(self.settings, self.sessions)
+        return self.control
+
+    def assigned(self, job_id: str) -> dict:
+        """The control plane's answer on an entry of this worker's queue (assign_calls.Assigned as a dict)."""
+        return self.calls().call("assignment", {"worker_id": self.offer.id, "job_id": job_id})
+
+    def give_back(self, job_id: str, reason: str) -> None:
+        try:
+            self.calls().call("give_back", {"worker_id": self.offer.id, "job_id": job_id, "reason": reason})
+        except (Unreachable, Refused) as exc:  # the next pass finds it unclaimed and plans it again
+            log.warning("job %s: could not give it back now (%s); the scheduler will", job_id, exc)
 
     @contextmanager
     def taking(self):
-        """Held while this lane plans and takes: its sibling lanes then plan on the holds it took."""
+        """Held while this lane takes a node task: its sibling lanes then see the holds it took."""
         if self.lock_path is None:
             yield
             return
@@ -75,75 +89,25 @@ class Chooser:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def hold(self, entry: str) -> bool:
-        """Take this worker's devices for the entry's node (the best linked free set, placement.choose); False
+        """Take this worker's devices for a gang node task (the best linked free set, placement.choose); False
         when too few are free now (a sibling lane took them): the entry goes back to its queue."""
-        key = parse_node_task_id(entry)
-        job_id, node_rank = (key[0], key[2]) if key else (entry, 0)
-        need = self.node_slots.get(entry) if key else (self.reqs[entry].need.slots if entry in self.reqs else None)
+        job_id, _, node_rank = parse_node_task_id(entry)
+        need = self.node_slots.get(entry)
         if self.machine is None or need is None:
-            return True  # nothing to hold by (a test's bare offer): the job gets the whole worker, as before
+            return True  # nothing to hold by (a test's bare offer): the node gets the whole worker, as before
         with self.sessions() as db:
             # Its GPUs' health as the heartbeat last reported it: one turned unhealthy is left out (worker/devices.py).
             machine = devices.with_health(self.machine, devices.reported_health(
                 workers.device_rows(db, worker_id=self.offer.id)))
             free = {d.index for d in machine.devices} - set(holds.held(db, worker_id=self.offer.id))
-            chosen = self.pick(machine, free, need, job_id)
+            chosen = placement.choose(machine, free, need)
             if chosen is None:
-                log.info("job %s: %d of %d devices free on %s now; its entry goes back", job_id, len(free), need,
+                log.info("job %s: %d of %d devices free on %s now; its node task goes back", job_id, len(free), need,
                          self.offer.id)
                 return False
-            taken = holds.take(db, worker_id=self.offer.id, job_id=job_id, node_rank=node_rank, devices=list(chosen))
-            if taken:
-                log.info("job %s: node %d takes device(s) %s of %s (free: %s)", job_id, node_rank, list(chosen),
-                         self.offer.id, sorted(free))
-            return taken
+            return holds.take(db, worker_id=self.offer.id, job_id=job_id, node_rank=node_rank, devices=list(chosen))
 
-    def pick(self, machine: placement.Machine, free: set[int], need: int, job_id: str) -> tuple[int, ...] | None:
-        """The devices a job's node gets of those free: a job the plan holds devices for gets exactly them; any
-        other job the best linked set of the rest, else (as the plan places it: open slots first) of those too
-        that a reservation lets it take."""
-        own = self.kept.get(job_id)
-        if own is not None and len(own) == need and {d.index for d in machine.devices if d.healthy
-                                                     and d.index in free}.issuperset(own):
-            return own
-        others = set().union(*(d for j, d in self.kept.items() if j != job_id))
-        chosen = placement.choose(machine, free - others, need)
-        if chosen is None and self.let.get(job_id):
-            chosen = placement.choose(machine, free - (others - self.let[job_id]), need)
-        return chosen
-
-    def plan(self, db: Session, entries: dict[str, str]) -> policy.Plan:
-        """The pool's plan, as this worker sees it: polling for work, it is live and free whatever its row says;
-        a queued job without a queue entry (being claimed, or lost with Redis until the sweeper enqueues it
-        again) is not planned, so it holds no worker."""
-        snap = scheduling.snapshot(db, self.settings, cache=self.reqs)
-        room, devices_now = None, {}
-        if self.shared:  # a shared worker's room: its free slots, as its holds say now
-            mine = holds.held(db, worker_id=self.offer.id)
-            rows = workers.device_rows(db, worker_id=self.offer.id)
-            room = scheduling.room_of(self.offer.slots, self.offer.max_jobs, holds.load_of(mine), rows)
-            if rows:  # its devices as the scheduler's snapshot of its row sees them (and as `hold` takes them)
-                devices_now = scheduling.devices_of(self.offer.id, self.offer.device, rows, mine)
-        me = policy.Node(id=self.offer.id, device=self.offer.device, slots=self.offer.slots,
-                         memory_bytes=self.offer.memory_bytes, labels=dict(self.offer.labels or {}), room=room,
-                         **devices_now)
-        snap = dataclasses.replace(snap, nodes=[*(n for n in snap.nodes if n.id != me.id), me],
-                                   waiting=[w for w in snap.waiting if w.id in entries])
-        plan = policy.plan(snap)
-        self.kept = plan.kept.get(me.id, {})
-        here = [r for r in plan.reservations if me.id in r.devices]
-        self.let = {w.id: set().union(*(r.devices[me.id] for r in here if r.job_id != w.id and r.lets(w, snap.now)))
-                    for w in snap.waiting}
-        return plan
-
-    def choose(self, db: Session, entries: dict[str, str]) -> tuple[list[str], list[str]]:
-        """Of the priority queues' entries (id -> queue): the stale ones (no queued job of that id), and those
-        this worker takes, in order (the jobs the plan assigns it)."""
-        mine = self.plan(db, entries).for_worker(self.offer.id)
-        queued = scheduling.queued_among(db, list(entries))
-        return [e for e in entries if e not in queued], [j for j in mine if j in entries]
-
-    def takes(self, db: Session, entry_ids: list[str], *, gang: bool = True) -> tuple[list[str], list[str]]:
+    def takes(self, db: Session, entry_ids: list[str]) -> tuple[list[str], list[str]]:
         """The stale gang node tasks (their attempt gone by), and those this worker would take, in queue order.
 
         A node task is looked at every pass: whether its gang still forms changes.
@@ -166,71 +130,115 @@ class Chooser:
 
 
 class FittingQueue(Queue):
-    """RQ's Queue with a dequeue that skips what this worker cannot fit (set `chooser` once per process)."""
+    """RQ's Queue with a dequeue that takes this worker's assignments and the node tasks it fits (set `taker`
+    once per process)."""
 
-    chooser: Chooser | None = None
+    taker: Taker | None = None
 
     @classmethod
     def dequeue_any(cls, queues: Iterable[Queue], timeout: int | None, connection: Redis, job_class=None,
                     serializer=None, death_penalty_class=None):
         queues = list(queues)
+        gang = [q for q in queues if q.name.endswith(f"-{GANG}")]
+        own = [q for q in queues if q not in gang]
         deadline = None if timeout is None else time.monotonic() + timeout
+        kick(connection, prefix=cls.taker.settings.queue_prefix)  # idle again: its freed devices get a pass soon
         while True:
             found = None
-            # Under disk pressure: nothing, until space is back.
-            queues_now = queues if cls.chooser.pressure() is None else []
-            for queue in (q for q in queues_now if q.name.endswith(f"-{GANG}")):
-                found = found or cls._take_node_task(queue, connection, job_class, serializer)
-            found = found or cls._take_planned([q for q in queues_now if not q.name.endswith(f"-{GANG}")],
-                                               connection, job_class, serializer)
+            wait = 0.0 if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+            if cls.taker.pressure() is None:  # under disk pressure: nothing, until space is back
+                for queue in gang:
+                    found = found or cls._take_node_task(queue, connection, job_class, serializer)
+                found = found or cls._take_assigned(own, connection, job_class, serializer, wait)
+            elif wait:
+                time.sleep(wait)
             if found is not None:
                 return found
             if deadline is None:
                 return None
             if time.monotonic() >= deadline:
                 raise DequeueTimeout(timeout, [q.key for q in queues])
-            time.sleep(POLL_S)
 
     @classmethod
     def _take_node_task(cls, queue: Queue, connection: Redis, job_class, serializer):
         ids = [i.decode() if isinstance(i, bytes) else i for i in connection.lrange(queue.key, 0, SCAN - 1)]
         if not ids:
             return None
-        with cls.chooser.taking():
+        with cls.taker.taking():
             try:
-                with cls.chooser.sessions() as db:
-                    stale, wanted = cls.chooser.takes(db, ids, gang=True)
+                with cls.taker.sessions() as db:
+                    stale, wanted = cls.taker.takes(db, ids)
             except UNREACHABLE:  # take nothing while the database is out: a claim could not be made anyway
                 log.warning("the database is out of reach; taking no job until it is back")
                 return None
-            cls._remove_stale(stale, {e: queue for e in stale}, connection, job_class, serializer)
-            return cls._take(wanted, {e: queue for e in wanted}, connection, job_class, serializer)
+            cls._remove_stale(stale, queue, connection, job_class, serializer)
+            return cls._take(wanted, queue, connection, job_class, serializer)
 
     @classmethod
-    def _take_planned(cls, queues: list[Queue], connection: Redis, job_class, serializer):
-        entries: dict[str, Queue] = {}
-        for queue in queues:
-            for i in connection.lrange(queue.key, 0, SCAN_JOBS - 1):
-                entries.setdefault(i.decode() if isinstance(i, bytes) else i, queue)
-        if not entries:
-            cls.chooser.kept, cls.chooser.let = {}, {}  # nothing planned: no device is held for a queued job
-            return None  # nothing queued: no database round trip
-        with cls.chooser.taking():
-            try:
-                with cls.chooser.sessions() as db:
-                    stale, wanted = cls.chooser.choose(db, {e: q.name for e, q in entries.items()})
-            except UNREACHABLE:
-                log.warning("the database is out of reach; taking no job until it is back")
+    def _take_assigned(cls, queues: list[Queue], connection: Redis, job_class, serializer, wait: float):
+        """Pop this worker's own queue (waiting up to `wait` s for an entry) until an entry is still its to run."""
+        if not queues:
+            return None
+        keys = [q.key for q in queues]
+        while True:
+            popped = connection.blpop(keys, timeout=wait) if wait > 0 else next(
+                (item for k in keys if (item := (k, connection.lpop(k)))[1] is not None), None)
+            if popped is None:
                 return None
-            cls._remove_stale(stale, entries, connection, job_class, serializer)
-            return cls._take(wanted, entries, connection, job_class, serializer)
+            key, entry = (v.decode() if isinstance(v, bytes) else v for v in popped)
+            queue = next(q for q in queues if q.key == key)
+            found = cls._keep(entry, queue, connection, job_class, serializer)
+            if found != "next":
+                return found
+            wait = 0.0  # the next entry, if one is there now
 
     @classmethod
-    def _remove_stale(cls, stale: list[str], entries: dict[str, Queue], connection: Redis, job_class, serializer):
-        """Take each stale entry off its queue, unrun. Its hash goes too while RQ says it waits (never taken): a
-        hash RQ marked started or finished is the bookkeeping of a real run of that id, and keeps its TTL."""
+    def _keep(cls, entry: str, queue: Queue, connection: Redis, job_class, serializer):
+        """An entry popped off this worker's queue: (job, queue) to run, None to stop looking now, or "next"."""
+        try:  # RQ's public fetch, with the worker's job class and serializer (as its own dequeue does)
+            job = (job_class or queue.job_class).fetch(entry, connection=connection,
+                                                       serializer=serializer or queue.serializer)
+        except NoSuchJobError:  # its hash expired or was deleted (a cancel): nothing to run; any assignment goes
+            log.info("removed queue entry %s from %s: no such job in the queue", entry, queue.name)
+            cls.taker.give_back(entry, "its queue entry had no job")
+            return "next"
+        if (why := refusal(job)) is not None:
+            cls._refuse(job, queue, why)
+            cls.taker.give_back(entry, "its queue entry was refused")  # a real job behind it is enqueued anew
+            return "next"
+        if (why := cls.taker.pressure()) is not None:
+            cls.taker.give_back(entry, f"{cls.taker.offer.id} is under pressure: {why}")
+            return None
+        try:
+            answer = cls.taker.assigned(entry)
+        except Unreachable as exc:  # back at the head of its queue, for a later try (or the pass takes it back)
+            log.warning("job %s: the control plane is out of reach (%s); its entry waits", entry, exc)
+            connection.lpush(queue.key, entry)
+            time.sleep(POLL_S)
+            return None
+        except Refused as exc:
+            log.error("job %s: the control plane refused its assignment (%s); its entry is removed", entry, exc)
+            return "next"
+        if answer["state"] != "run":
+            if answer["state"] == "stale":
+                cls._forget(job)
+            log.info("job %s: not run here (%s: %s)", entry, answer["state"], answer.get("reason"))
+            return "next"
+        return job, cls._origin(job, queue)
+
+    @classmethod
+    def _origin(cls, job, fallback: Queue) -> Queue:
+        """The job's own priority queue (its `origin`): RQ keeps its started and finished registries there, where
+        the reconciler looks (queue.reconcile); an origin it never wrote: the queue it came from."""
+        if any(job.origin == f"{cls.taker.settings.queue_prefix}-{p}" for p in PRIORITIES):
+            return cls(job.origin, connection=fallback.connection, serializer=fallback.serializer,
+                       job_class=fallback.job_class)
+        return fallback
+
+    @classmethod
+    def _remove_stale(cls, stale: list[str], queue: Queue, connection: Redis, job_class, serializer):
+        """Take each stale node task off its queue, unrun."""
         for entry in stale:
-            queue = entries[entry]
             if connection.lrem(queue.key, 1, entry) != 1:
                 continue
             try:
@@ -240,17 +248,23 @@ class FittingQueue(Queue):
                 continue
             if (why := refusal(job)) is not None:
                 cls._refuse(job, queue, why)
-            elif job.get_status(refresh=False) == "queued":  # RQ's own status of the hash
-                job.delete(remove_from_queue=False)
-            log.info("removed stale queue entry %s from %s (no queued job of that id)", entry, queue.name)
+            else:
+                cls._forget(job)
+            log.info("removed stale queue entry %s from %s (no forming gang of that attempt)", entry, queue.name)
+
+    @staticmethod
+    def _forget(job) -> None:
+        """A stale entry's hash goes too while RQ says it waits (never taken): a hash RQ marked started or finished
+        is the bookkeeping of a real run of that id, and keeps its TTL."""
+        if job.get_status(refresh=False) == "queued":  # RQ's own status of the hash
+            job.delete(remove_from_queue=False)
 
     @classmethod
-    def _take(cls, wanted: list[str], entries: dict[str, Queue], connection: Redis, job_class, serializer):
+    def _take(cls, wanted: list[str], queue: Queue, connection: Redis, job_class, serializer):
         for entry in wanted:
-            queue = entries[entry]
             if connection.lrem(queue.key, 1, entry) != 1:
                 continue  # another worker took it first
-            try:  # RQ's public fetch, with the worker's job class and serializer (as its own dequeue does)
+            try:
                 job = (job_class or queue.job_class).fetch(entry, connection=connection,
                                                            serializer=serializer or queue.serializer)
             except NoSuchJobError:  # its hash expired or was deleted: nothing to run
@@ -259,9 +273,9 @@ class FittingQueue(Queue):
                 cls._refuse(job, queue, why)
                 continue
             try:
-                held = cls.chooser.hold(entry)
+                held = cls.taker.hold(entry)
             except UNREACHABLE:
-                log.warning("the database is out of reach; job %s goes back to its queue", entry)
+                log.warning("the database is out of reach; node task %s goes back to its queue", entry)
                 held = False
             if not held:
                 connection.lpush(queue.key, entry)  # back at the head, for a worker (or a later pass) with room

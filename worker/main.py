@@ -1,5 +1,6 @@
-"""`trainjobs worker`: an RQ worker serving gang node tasks, then the high, normal and low queues, taking only
-what it fits (worker/dispatch.py); registered in the workers table with a heartbeat; SIGTERM hands its job back."""
+"""`trainjobs worker`: an RQ worker serving gang node tasks it fits, then its own queue, where the control plane's
+scheduler puts the jobs it assigns to this worker (worker/dispatch.py); registered in the workers table with a
+heartbeat; SIGTERM hands its job back."""
 
 import argparse
 import logging
@@ -19,7 +20,7 @@ from rq.utils import now
 
 import worker.agent  # preloaded: each forked work-horse starts with it imported
 from service.db import make_engine, make_sessionmaker
-from service.jobs.queue import GuardedJob, queue_names
+from service.jobs.queue import GANG, GuardedJob, kick, worker_queue_name
 from service.redis_auth import warn_if_open
 from service.settings import get_settings
 from service.storage import check_store
@@ -27,7 +28,7 @@ from service.undumpable import make_undumpable
 from trainjobs.runenv import PREEMPT_SIGNAL
 from worker import control, processes, sandbox
 from worker.agent import request_preemption
-from worker.dispatch import Chooser, FittingQueue
+from worker.dispatch import FittingQueue, Taker
 from worker.inventory import DiskWatch, probe, start_heartbeat
 from worker.sandbox import REDIS_AUTH_LABEL
 
@@ -172,10 +173,11 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     os.register_at_fork(after_in_child=lambda: engine.dispose(close=False))
     sessions = make_sessionmaker(engine)
     disk = DiskWatch(settings)
-    FittingQueue.chooser = Chooser(sessions, offer, settings, pressure=disk.pressure)
+    FittingQueue.taker = Taker(sessions, offer, settings, pressure=disk.pressure)
     redis = Redis.from_url(settings.redis_url)
+    # The gang's node tasks first, then what the scheduler assigned to this worker (all its lanes share its queue).
     queues = [FittingQueue(n, connection=redis, serializer=JSONSerializer, job_class=GuardedJob)
-              for n in queue_names(settings.queue_prefix)]
+              for n in (f"{settings.queue_prefix}-{GANG}", worker_queue_name(settings.queue_prefix, offer.id))]
     current: list[PreemptingWorker] = []
 
     def make_worker(rq_name: str = name) -> PreemptingWorker:
@@ -199,6 +201,10 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     stop_heartbeat = start_heartbeat(own or sessions, offer=offer, every_s=settings.heartbeat_s, draining=draining,
                                      pressure=disk.pressure, on_revoked=revoked)
     try:
+        kick(redis, prefix=settings.queue_prefix)  # registered: the scheduler's next pass may assign it jobs now
+    except RedisError:
+        pass
+    try:
         if lanes is None:
             serve(make_worker, burst=burst)
         else:
@@ -210,8 +216,9 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
 
 class Lanes:
     """A shared worker's lanes (issue 30): one forked process per job it may run at once, each an RQ worker loop
-    with its own work-horse. They plan and take one at a time (worker/dispatch.py `Chooser.taking`), each job on
-    devices the database says are free (service/workers/holds.py); this process keeps the worker's heartbeat.
+    with its own work-horse. They all listen to the worker's own queue, each job on the devices the scheduler held
+    for it (service/workers/holds.py), and take gang node tasks one at a time (worker/dispatch.py `Taker.taking`);
+    this process keeps the worker's heartbeat.
 
     A shutdown signal goes to every lane: each hands its job back (RQ's warm shutdown, PreemptingWorker), a second
     stops them now. A lane dies with this process (PDEATHSIG): kill -9 the worker and its lanes go too, their

@@ -1,5 +1,7 @@
 """The sweeper inside the API: lost workers, retries due, the queue rebuilt from the database, the sweeps'
-trials (service/sweeps/controller.py), and the job counts' deltas folded (service/jobs/counts.py).
+trials (service/sweeps/controller.py), and the job counts' deltas folded (service/jobs/counts.py). Beside it, in a
+thread of its own, the scheduler's pass (service/jobs/assigner.py): the one plan, which assigns jobs to workers and
+writes the pending reasons and preemptions.
 
 One pass at a time across API replicas (a Redis lock). Every change it makes is the same
 compare-and-set a worker would make, so a worker that wakes up late finds its job gone and stops.
@@ -16,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE, utcnow
 from service.jobs import counts, lifecycle, pending, queue, retention
+from service.jobs.assigner import Assigner
 from service.scheduling import service as scheduling
 from service.settings import Settings
 from service.storage import open_store
@@ -44,11 +47,18 @@ class Sweeper:
         self.collect_after: str | None = None  # a collection under way goes on after this job id
         # Jobs' needs, parsed once (scheduling.snapshot's cache); the API's submissions put theirs there too.
         self.reqs: dict[str, scheduling.Req] = {} if needs is None else needs
+        self.assigner = Assigner(settings, sessions, redis, cache=self.reqs)
 
     def run(self) -> None:
-        while not self.stop.is_set():
-            self.tick()
-            self.stop.wait(self.settings.sweep_s)
+        """The sweeper's loop; the scheduler's pass runs beside it in a thread of its own, until `stop`."""
+        assigning = threading.Thread(target=self.assigner.run, args=(self.stop,), name="assigner", daemon=True)
+        assigning.start()
+        try:
+            while not self.stop.is_set():
+                self.tick()
+                self.stop.wait(self.settings.sweep_s)
+        finally:
+            assigning.join(timeout=5)
 
     def tick(self) -> None:
         lock = self.redis.lock(f"{self.settings.queue_prefix}:sweeper", timeout=max(10.0, self.settings.sweep_s * 5))
@@ -68,7 +78,6 @@ class Sweeper:
                 full = now - self.last_reconcile >= self.settings.reconcile_s
                 pending.age(db, self.redis, prefix=self.settings.queue_prefix, aging_s=self.settings.aging_s)
                 queue.reconcile(db, self.redis, prefix=self.settings.queue_prefix, min_age_s=10.0 if full else None)
-                pending.explain(db, self.settings, cache=self.reqs)
                 scheduling.fold_usage(db, half_life_s=self.settings.fair_share_half_life_s)
                 if full:
                     workers.prune(db)

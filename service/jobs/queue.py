@@ -1,4 +1,9 @@
-"""The only module that talks to RQ: enqueue, drop, reconcile with the database."""
+"""The only module that talks to RQ: enqueue, drop, reconcile with the database, and the workers' own queues.
+
+A job's entry waits on its priority queue until the scheduler's pass (service/jobs/assigner.py) assigns it: then
+it moves, in one step, onto that worker's own queue (`<prefix>-w-<worker id>`), which only that worker's lanes
+listen to. A gang's node tasks wait on the gang queue, taken by any worker that fits them (worker/dispatch.py).
+"""
 
 import logging
 from collections.abc import Sequence
@@ -15,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from service.db import utcnow
 from service.jobs.models import Attempt, Job
+from service.scheduling.assignments import Assignment
 from trainjobs.states import AttemptStatus, JobStatus
 
 log = logging.getLogger(__name__)
@@ -95,6 +101,66 @@ def queue_names(prefix: str) -> list[str]:
     return [f"{prefix}-{p}" for p in (GANG, *PRIORITIES)]
 
 
+def worker_queue_name(prefix: str, worker_id: str) -> str:
+    """A worker's own queue: the entries of the jobs the scheduler assigned to it."""
+    return f"{prefix}-w-{worker_id}"
+
+
+def worker_queue(redis: Redis, prefix: str, worker_id: str) -> Queue:
+    return Queue(worker_queue_name(prefix, worker_id), connection=redis, serializer=JSONSerializer)
+
+
+# Move an entry from one queue to another in one step: LREM from KEYS[1], then RPUSH onto KEYS[2] only if it was
+# there (a worker or another pass took it meanwhile: nothing moves). Returns how many LREM removed.
+_HAND = """
+local n = redis.call('LREM', KEYS[1], 1, ARGV[1])
+if n == 1 then redis.call('RPUSH', KEYS[2], ARGV[1]) end
+return n
+"""
+def hand_to_worker(redis: Redis, *, prefix: str, job_id: str, priority: str, worker_id: str) -> bool:
+    """Move a job's entry from its priority queue onto the worker's own queue (atomic); False when its priority
+    queue no longer held it (taken by an earlier version's worker, dropped by a cancel, lost with Redis)."""
+    return redis.eval(_HAND, 2, get_queue(redis, prefix, priority).key, worker_queue(redis, prefix, worker_id).key,
+                      job_id) == 1
+
+
+def off_worker_queue(redis: Redis, *, prefix: str, job_id: str, worker_id: str) -> int:
+    """An assigned job's entry off the worker's queue (an assignment undone); 0 when the worker had taken it off
+    already. LREM decides between the pass and the worker's pop."""
+    return redis.lrem(worker_queue(redis, prefix, worker_id).key, 0, job_id)
+
+
+def priority_entries(redis: Redis, prefix: str, *, limit: int = 5000) -> dict[str, str]:
+    """The ids on the priority queues (their first `limit` each), with their priority; one round trip."""
+    with redis.pipeline(transaction=False) as pipe:
+        for priority in PRIORITIES:
+            pipe.lrange(get_queue(redis, prefix, priority).key, 0, limit - 1)
+        found = pipe.execute()
+    out: dict[str, str] = {}
+    for priority, ids in zip(PRIORITIES, found, strict=True):
+        for i in ids:
+            out.setdefault(i.decode() if isinstance(i, bytes) else i, priority)
+    return out
+
+
+KICK = "{prefix}:assign:kick"
+
+
+def kick(redis: Redis, *, prefix: str, pipe=None) -> None:
+    """Ask for a scheduling pass soon (a job queued, devices freed, a worker ready): a list of at most one item
+    that the pass's loop waits on (wait_for_kick)."""
+    target = pipe if pipe is not None else redis.pipeline(transaction=False)
+    target.lpush(KICK.format(prefix=prefix), 1)
+    target.ltrim(KICK.format(prefix=prefix), 0, 0)
+    if pipe is None:
+        target.execute()
+
+
+def wait_for_kick(redis: Redis, *, prefix: str, timeout_s: float) -> bool:
+    """Until a kick or `timeout_s`; True when kicked (the kick is spent)."""
+    return redis.blpop([KICK.format(prefix=prefix)], timeout=max(0.01, timeout_s)) is not None
+
+
 def node_task_id(job_id: str, attempt: int, node_rank: int) -> str:
     return f"{job_id}-{attempt}-{node_rank}"
 
@@ -153,6 +219,7 @@ def enqueue_many(redis: Redis, *, prefix: str, jobs: Sequence[tuple[str, str, fl
                 description=f"trainjobs job {job_id}",
                 pipeline=pipe,
             )
+        kick(redis, prefix=prefix, pipe=pipe)  # a pass assigns them soon, not at its next tick
         pipe.execute()
 
 
@@ -177,7 +244,10 @@ def reconcile(db: Session, redis: Redis, *, prefix: str, min_age_s: float | None
         due = or_(due, and_(Job.not_before.is_(None), Job.queued_at <= now - timedelta(seconds=min_age_s)))
     # NOTE: ids and priorities only, the spec read for the few missing: with thousands queued (a sweep's
     # trials), whole rows (each spec parsed) and a query per queue entry made the pass seconds of CPU.
-    rows = db.execute(select(Job.id, Job.priority).where(Job.status == JobStatus.QUEUED, due)).all()
+    # A job the scheduler assigned waits on its worker's queue (or its worker has taken it): the pass undoes an
+    # assignment that went astray, and puts its entry back itself.
+    assigned = select(Assignment.job_id).where(Assignment.job_id == Job.id).exists()
+    rows = db.execute(select(Job.id, Job.priority).where(Job.status == JobStatus.QUEUED, due, ~assigned)).all()
     held: dict[str, str] = {}
     if rows or min_age_s is not None:  # the quick pass with no retry due reads no queue
         for priority in PRIORITIES:

@@ -138,6 +138,26 @@ def take(db: Session, *, worker_id: str, job_id: str, node_rank: int, devices: l
     return True
 
 
+def take_many(db: Session, takes: list[tuple[str, str, int, list[int]]]) -> None:
+    """Hold the devices of many nodes at once (worker, job, node rank, devices), pending until their claims bind them:
+    the scheduler's pass, one flush for all it places (an IntegrityError when any device is held already). The
+    caller commits, with the assignments it writes (service/scheduling/assign.py)."""
+    now = utcnow()
+    db.add_all(Hold(worker_id=w, device=d, job_id=j, node_rank=n, since=now) for w, j, n, ds in takes for d in ds)
+    db.flush()
+    sync_workers(db, worker_ids=sorted({w for w, _, _, ds in takes if ds}))
+
+
+def release_pending(db: Session, *, worker_id: str, job_id: str, node_rank: int = 0) -> int:
+    """Give back a node's holds that no claim bound (an assignment undone); bound ones stay with their attempt.
+    The caller commits."""
+    done = db.execute(delete(Hold).where(Hold.worker_id == worker_id, Hold.job_id == job_id,
+                                         Hold.node_rank == node_rank, Hold.attempt.is_(None))).rowcount
+    if done:
+        sync_worker(db, worker_id=worker_id)
+    return done
+
+
 def bind(db: Session, *, worker_id: str, job_id: str, node_rank: int, attempt: int,
          placement: dict | None = None) -> list[int]:
     """Tie a node's pending holds to its attempt (in the claim's transaction) and store where it runs; returns the
@@ -167,6 +187,17 @@ def release(db: Session, *, worker_id: str, job_id: str, node_rank: int | None =
         query = query.where(Hold.node_rank == node_rank)
     db.execute(query)
     sync_worker(db, worker_id=worker_id)
+
+
+def sync_workers(db: Session, *, worker_ids: list[str]) -> None:
+    """sync_worker for many workers in one statement (a pass that placed jobs on hundreds of them)."""
+    if not worker_ids:
+        return
+    mine = Hold.worker_id == Worker.id
+    count = select(func.count()).where(mine).scalar_subquery()
+    db.execute(update(Worker).where(Worker.id.in_(worker_ids)).values(
+        busy_slots=count, current_job=select(func.min(Hold.job_id)).where(mine).scalar_subquery(),
+        state=case((Worker.state == "draining", "draining"), (count > 0, "busy"), else_="idle")))
 
 
 def sync_worker(db: Session, *, worker_id: str) -> None:
