@@ -9,6 +9,8 @@ import re
 import shutil
 import subprocess
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -73,33 +75,64 @@ def test_the_image_root_binds_no_link_and_makes_room_for_the_jobs_folders(tmp_pa
     assert "/proc" not in args and ["--ro-bind", str(root / "usr"), "/usr"] == args[-3:]
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    """Debian's docker-registry on a loopback port, with the test images pushed: (host:port, its log file)."""
-    from tests import image_build
-
-    python_layout, bare_layout = image_build.build()
-    home = tmp_path_factory.mktemp("registry")
+@contextmanager
+def serving_registry(home: Path, images: dict[str, Path], *, login: tuple[str, str] | None = None):
+    """Debian's docker-registry on a loopback port, with `images` (name:tag → OCI layout) pushed; with `login`,
+    it asks for that one (htpasswd, bcrypt): (host:port, its log file)."""
     port = free_port()
+    auth = ""
+    if login is not None:
+        (home / "htpasswd").write_text(htpasswd_line(*login) + "\n")
+        auth = f"auth:\n  htpasswd:\n    realm: trainjobs-test\n    path: {home / 'htpasswd'}\n"
     (home / "config.yml").write_text(f"version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n"
-                                     f"    rootdirectory: {home / 'store'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
+                                     f"    rootdirectory: {home / 'store'}\nhttp:\n  addr: 127.0.0.1:{port}\n{auth}")
     log = home / "registry.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(["docker-registry", "serve", str(home / "config.yml")], stdout=out, stderr=out)
     try:
         def up() -> bool:
             try:
-                return httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200
+                return httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code in (200, 401)
             except httpx.HTTPError:
                 return False
         wait_for(up, 20, what="the registry")
-        for layout, name in ((python_layout, "test/py:1"), (bare_layout, "test/bare:1")):
-            subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:image",
+        creds = ["--dest-creds", ":".join(login)] if login else []
+        for name, layout in images.items():
+            subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", *creds, f"oci:{layout}:image",
                             f"docker://127.0.0.1:{port}/{name}"], check=True, timeout=120)
         yield f"127.0.0.1:{port}", log
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def htpasswd_line(user: str, password: str) -> str:
+    """`user:bcrypt-hash`, the only scheme the registry's htpasswd takes: libcrypt's, through Python's crypt
+    module (3.11: deprecated, still there), else the htpasswd tool."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import crypt
+        hashed = crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))  # cost 4: a quick test
+        if hashed and hashed.startswith("$2"):
+            return f"{user}:{hashed}"
+    except (ImportError, AttributeError, ValueError):
+        pass
+    if shutil.which("htpasswd") is None:
+        pytest.skip("no bcrypt here: neither Python's crypt module nor htpasswd (apache2-utils)")
+    return subprocess.run(["htpasswd", "-nbB", "-C", "4", user, password], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """The open registry, with the test images: (host:port, its log file)."""
+    from tests import image_build
+
+    python_layout, bare_layout = image_build.build()
+    with serving_registry(tmp_path_factory.mktemp("registry"),
+                          {"test/py:1": python_layout, "test/bare:1": bare_layout}) as served:
+        yield served
 
 
 def blob_reads(log: Path) -> int:
@@ -195,3 +228,119 @@ def test_two_lanes_naming_one_image_pull_it_once(registry, tmp_path):
     assert sum(i.pulled_s is not None for i in got) == 1
     for image in got:
         image.release()
+
+
+PEEK = """import os
+hits = [k for k, v in os.environ.items() if "{marker}" in v]
+for top, dirs, files in os.walk("/"):
+    if top in ("/proc", "/sys", "/dev"):
+        dirs[:] = []
+        continue
+    for name in files:
+        path = os.path.join(top, name)
+        if os.path.realpath(path) == os.path.realpath(__file__) or os.path.islink(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                if b"{marker}" in f.read(64 << 20):
+                    hits.append(path)
+        except OSError:
+            pass
+print("login seen:", hits)
+print("secrets dir seen:", os.path.exists("{secrets}"))
+"""
+
+
+@pytest.fixture(scope="module")
+def private_registry(tmp_path_factory):
+    """A registry that asks for a login (robot, a password that starts "tjpw-"): (host:port, log, password)."""
+    from tests import image_build
+
+    python_layout, _ = image_build.build()
+    password = f"tjpw-{os.urandom(8).hex()}"
+    with serving_registry(tmp_path_factory.mktemp("private-registry"), {"private/py:1": python_layout},
+                          login=("robot", password)) as (where, log):
+        yield where, log, password
+
+
+def cli_login(stack, capsys, monkeypatch, headers: dict, *argv: str, password: str) -> int:
+    """`trainjobs registry login ... --password-stdin` in this process, as the user of `headers`."""
+    import io
+
+    from service.cli.main import build_parser
+    from trainjobs.client import Client
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(password + "\n"))
+    parsed = build_parser().parse_args(["registry", "login", *argv, "--password-stdin"])
+    with Client(stack.api_url, token=headers["Authorization"].removeprefix("Bearer ")) as client:
+        code = parsed.remote(parsed, client)
+    capsys.readouterr()
+    return code
+
+
+def user(api, name: str) -> dict:
+    made = api.post("/v1/tokens", json={"name": name, "can_run_entrypoints": True}).json()
+    return {"Authorization": f"Bearer {made['token']}"}
+
+
+def reasons_while(api, job_id: str) -> list[str]:
+    """Every pending reason the job showed until it ended (read every 50 ms), in order, each once."""
+    seen: list[str] = []
+    while (job := api.get(f"/v1/jobs/{job_id}").json())["status"] not in ("succeeded", "failed", "cancelled"):
+        if job.get("pending_reason") and job["pending_reason"] not in seen:
+            seen.append(job["pending_reason"])
+        time.sleep(0.05)
+    return seen
+
+
+@needs_tools
+@pytest.mark.skipif(os.geteuid() != 0 and shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_a_private_image_is_pulled_with_its_owners_login_which_the_job_never_sees(
+        private_registry, postgres_url, tmp_path_factory, capsys, monkeypatch):
+    where, log, password = private_registry
+    reference = f"{where}/private/py:1"
+    scripts = tmp_path_factory.mktemp("scripts")
+    data = tmp_path_factory.mktemp("private-data")
+    (scripts / "peek.py").write_text(PEEK.format(marker="tjpw-", secrets=f"{data}-secrets"))
+    spec = entry(reference, "peek.py") | {"max_retries": 0}
+    with live_stack(postgres_url, data, name="private", allow_entrypoints=True, scripts_dir=scripts,
+                    image_insecure_registries=where) as stack, stack.client(timeout=10) as api:
+        wait_for(lambda: api.get("/v1/workers").json()["items"], 30, what="the worker")
+        alice, bob = user(api, "alice"), user(api, "bob")
+
+        def run(headers: dict) -> tuple[dict, list[str]]:
+            job_id = api.post("/v1/jobs", json=spec, headers=headers).json()["id"]
+            reasons = reasons_while(api, job_id)
+            return wait_terminal(api, job_id), reasons
+
+        anonymous, _ = run(alice)
+        assert anonymous["status"] == "failed" and anonymous["error"]["type"] == "image_unavailable"
+        assert f"the registry {where} asks for a login, and none is stored for alice" in anonymous["error"]["message"]
+        assert f"trainjobs registry login {where}" in anonymous["error"]["message"]
+
+        assert cli_login(stack, capsys, monkeypatch, bob, where, "--username", "robot", password=password) == 0
+        not_bobs, _ = run(alice)  # bob's login is bob's jobs'
+        assert not_bobs["status"] == "failed" and "none is stored for alice" in not_bobs["error"]["message"]
+
+        assert cli_login(stack, capsys, monkeypatch, alice, where, "--username", "robot", password="wrong") == 0
+        wrong, _ = run(alice)
+        assert wrong["status"] == "failed" and wrong["error"]["type"] == "image_unavailable"
+        assert "refused the login of user alice (username robot)" in wrong["error"]["message"]
+
+        assert cli_login(stack, capsys, monkeypatch, alice, where, "--username", "robot", password=password) == 0
+        started = time.monotonic()
+        job_id = api.post("/v1/jobs", json=spec, headers=alice).json()["id"]
+        reasons = reasons_while(api, job_id)
+        done, took_s = wait_terminal(api, job_id), time.monotonic() - started
+        logs = api.get(f"/v1/jobs/{job_id}/logs").text
+        assert done["status"] == "succeeded", (done["error"], logs[-3000:])
+        assert "login seen: []" in logs and "secrets dir seen: False" in logs  # not in its env, not in its files
+        assert password not in logs
+        pulling = [r for r in reasons if r.startswith(f"pulling image {reference}: ")]
+        assert pulling and all(re.fullmatch(r".*: [0-9.]+ MB of [0-9.]+ MB", r) for r in pulling), reasons
+        assert f"unpacking image {reference}" in " ".join(reasons)
+        shown = api.get(f"/v1/jobs/{job_id}/image").json()
+        [ran] = shown["resolved"]
+        assert ran["digest"].startswith("sha256:") and ran["pulled_s"] > 0 and shown["image"] == reference
+        assert not any((Path(f"{data}-secrets") / "image-auth").iterdir())  # the pull's authfile is gone
+        print(f"private image job: {took_s:.1f}s, pulled in {ran['pulled_s']:.1f}s; reasons shown: {reasons}")

@@ -15,8 +15,10 @@ under a job. Last use and size are <hex>.used and
 
 NOTE: unpacked with --rootless even by a root worker: device nodes and ownership in a layer are not made on the
 host (a hostile image's 0666 block device would be a job's door to the disk); a job only reads the rootfs.
-NOTE: no registry credentials yet (issue 44: per user or team, stored by the service): skopeo is told to use
-none, so the worker's own login is never lent to whichever job names a private image.
+NOTE: the worker's own registry logins are never used (skopeo's --no-creds, or --authfile): a private image is
+pulled with its job owner's login (or the owner's team's), which the control plane lends for that pull alone
+(the `image-login` call, service/images/calls.py); it is written 0600 into a folder of the secrets dir, which no
+job is shown, and removed once the pull is done (worker/image_pull.py).
 """
 
 import fcntl
@@ -25,20 +27,32 @@ import ipaddress
 import json
 import logging
 import os
+import platform
+import re
 import shutil
 import subprocess
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from service.images.service import registry_of
 from service.settings import Settings
 from trainjobs.spec import IMAGES_LABEL
 from worker.packages import evict_lru
+
+if TYPE_CHECKING:
+    from worker.image_pull import ForJob
 
 log = logging.getLogger(__name__)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TOOLS = ("skopeo", "umoci")
 LOOPBACK_NAMES = ("localhost",)
+SKOPEO_FATAL = re.compile(r'level=fatal msg="(.*)"$')
+PROGRESS_POLL_S = 0.5  # how often a pull's bytes are counted (the job hears of them every SAY_EVERY_S)
+ARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}.get(platform.machine(),
+                                                                                           platform.machine())
 
 
 class ImageUnavailable(Exception):
@@ -89,14 +103,6 @@ class Image:
             self.lock_fd = None
 
 
-def registry_of(reference: str) -> str:
-    """The registry host[:port] of a reference, as Docker reads it (the first part, when it looks like a host)."""
-    first, sep, _ = reference.partition("/")
-    if sep and ("." in first or ":" in first or first == "localhost"):
-        return first
-    return "docker.io"
-
-
 def is_loopback(registry: str) -> bool:
     host = registry.rsplit(":", 1)[0].strip("[]") if registry.count(":") <= 1 else registry.strip("[]")
     if host in LOOPBACK_NAMES:
@@ -137,13 +143,37 @@ class ImageCache:
         self.root = settings.data_dir / "image-cache"
         self.max_bytes = settings.image_cache_bytes
 
-    def get(self, reference: str) -> Image:
-        """The image, pulled and unpacked unless this machine has it; held shared until Image.release()."""
+    def get(self, reference: str, job: "ForJob | None" = None) -> Image:
+        """The image, pulled and unpacked unless this machine has it; held shared until Image.release(). `job`:
+        the attempt it is for (its owner's registry login, its pending reason, its digest recorded); without
+        one, the registry is asked anonymously."""
         if (why := why_not()) is not None:
             raise ImageUnavailable(f"this worker cannot run images: {why}")
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
-        digest = self.resolve(reference)
+        _, pinned = split_digest(reference)
+        if pinned is not None and (self.root / pinned.removeprefix("sha256:") / "rootfs").is_dir():
+            # A pinned image it has: no registry, no login (unless evicted before it is held: pulled after all).
+            image = self._hold(reference, pinned, lambda final: self._logged_in(reference, job, final))
+        else:
+            image = self._logged_in(reference, job)
+        if job is not None:
+            job.pulled(image)
+        return image
+
+    def _logged_in(self, reference: str, job: "ForJob | None", final: Path | None = None):
+        """With the job's login (an authfile while the block runs): resolved, then held from the cache or pulled;
+        or, given `final`, its pull alone (a float or None, as _pull_once)."""
+        with job.authfile(registry_of(reference)) if job is not None else nullcontext() as auth:
+            if final is not None:
+                return self._pull_once(reference, split_digest(reference)[1], final, job=job, auth=auth,
+                                       manifest=None)
+            digest, manifest = self.resolve(reference, job, auth)
+            return self._hold(reference, digest, lambda final: self._pull_once(reference, digest, final, job=job,
+                                                                                 auth=auth, manifest=manifest))
+
+    def _hold(self, reference: str, digest: str, pull) -> Image:
+        """The entry of `digest`, held shared (pulled first by `pull` where it is missing)."""
         name = digest.removeprefix("sha256:")
         final = self.root / name
         fd = os.open(self.root / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -151,7 +181,7 @@ class ImageCache:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # in use from here on: eviction passes it by
             if not (final / "rootfs").is_dir():
-                pulled_s = self._pull_once(reference, digest, final)
+                pulled_s = pull(final)
             (self.root / f"{name}.used").touch()
         except BaseException:
             os.close(fd)
@@ -161,7 +191,8 @@ class ImageCache:
         self.evict(keep=name)
         return Image(reference, digest, final / "rootfs", env, config.get("WorkingDir") or "", pulled_s, fd)
 
-    def _pull_once(self, reference: str, digest: str, final: Path) -> float | None:
+    def _pull_once(self, reference: str, digest: str, final: Path, *, job: "ForJob | None", auth: str | None,
+                   manifest: bytes | None) -> float | None:
         """Pull under <hex>.pull: another lane pulling the same image is waited for, and its copy used (None)."""
         fd = os.open(self.root / f"{final.name}.pull", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -169,34 +200,48 @@ class ImageCache:
             if (final / "rootfs").is_dir():
                 return None
             started = time.monotonic()
-            self._pull(reference, digest, final)
+            self._pull(reference, digest, final, job=job, auth=auth, manifest=manifest)
             return time.monotonic() - started
         finally:
             os.close(fd)
 
-    def resolve(self, reference: str) -> str:
-        """The manifest digest `reference` names now: its own, or the registry's answer for its tag."""
+    def resolve(self, reference: str, job: "ForJob | None" = None, auth: str | None = None
+                ) -> tuple[str, bytes | None]:
+        """The manifest digest `reference` names now (its own, or the registry's answer for its tag), and the
+        manifest where it was read."""
         _, digest = split_digest(reference)
         if digest is not None:
-            return digest
-        tls = ["--tls-verify=false"] if insecure(self.settings, reference) else []
-        raw = self._run(["skopeo", "inspect", "--raw", "--no-creds", *tls, f"docker://{reference}"], reference,
-                        text=False)
-        return "sha256:" + hashlib.sha256(raw).hexdigest()
+            return digest, None
+        raw = self._inspect(reference, reference, job, auth)
+        return "sha256:" + hashlib.sha256(raw).hexdigest(), raw
 
-    def _pull(self, reference: str, digest: str, final: Path) -> None:
+    def _inspect(self, target: str, reference: str, job: "ForJob | None", auth: str | None) -> bytes:
+        """The raw manifest `target` names (a tag's, or a digest's)."""
+        creds = ["--authfile", auth] if auth else ["--no-creds"]
+        return self._run(["skopeo", "inspect", "--raw", *creds, *self._tls(reference, "--"), f"docker://{target}"],
+                         reference, job, text=False)
+
+    def _tls(self, reference: str, prefix: str) -> list[str]:
+        return [f"{prefix}tls-verify=false"] if insecure(self.settings, reference) else []
+
+    def _pull(self, reference: str, digest: str, final: Path, *, job: "ForJob | None", auth: str | None,
+              manifest: bytes | None) -> None:
         """skopeo copy (by digest: what was resolved is what is unpacked), then umoci unpack, then in place."""
         name, _ = split_digest(reference)
         temp = self.root / f".pull-{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
         try:
             temp.mkdir()
-            tls = ["--src-tls-verify=false"] if insecure(self.settings, reference) else []
-            self._run(["skopeo", "copy", "--quiet", "--src-no-creds", *tls, f"docker://{name}@{digest}",
-                       f"oci:{temp / 'layout'}:image"], reference)
+            total = self._layer_bytes(reference, f"{name}@{digest}", manifest, job, auth) if job else None
+            creds = ["--src-authfile", auth] if auth else ["--src-no-creds"]
+            self._copy(["skopeo", "copy", "--quiet", *creds, *self._tls(reference, "--src-"),
+                        f"docker://{name}@{digest}", f"oci:{temp / 'layout'}:image"], reference, job,
+                       layout=temp / "layout", total=total)
+            if job is not None:
+                job.say(f"unpacking image {reference}" + (f" ({_mb(total)} MB)" if total else ""), now=True)
             entry = temp / "entry"
             entry.mkdir()
             self._run(["umoci", "raw", "unpack", "--rootless", "--image", f"{temp / 'layout'}:image",
-                       str(entry / "rootfs")], reference)
+                       str(entry / "rootfs")], reference, job)
             (entry / "config.json").write_text(json.dumps(image_config(temp / "layout")))
             os.chmod(entry, 0o755)
             os.chmod(entry / "rootfs", 0o755)
@@ -208,17 +253,71 @@ class ImageCache:
         finally:
             shutil.rmtree(temp, ignore_errors=True)
 
-    def _run(self, argv: list[str], reference: str, *, text: bool = True):
+    def _layer_bytes(self, reference: str, pinned: str, manifest: bytes | None, job: "ForJob",
+                     auth: str | None) -> int | None:
+        """What the pull will read (this platform's layers and config, as its manifest says); None: unknown."""
+        try:
+            if manifest is None:
+                manifest = self._inspect(pinned, reference, job, auth)
+            found = json.loads(manifest)
+            if "manifests" in found:  # an index: this platform's entry
+                mine = next((m for m in found["manifests"] if m.get("platform", {}).get("os") == "linux"
+                             and m.get("platform", {}).get("architecture") == ARCH), None)
+                if mine is None:
+                    return None
+                name, _ = split_digest(pinned)
+                return self._layer_bytes(reference, f"{name}@{mine['digest']}", None, job, auth)
+            return sum(int(part["size"]) for part in [found["config"], *found["layers"]])
+        except (ImageUnavailable, ValueError, KeyError, TypeError):
+            return None
+
+    def _copy(self, argv: list[str], reference: str, job: "ForJob | None", *, layout: Path,
+              total: int | None) -> None:
+        """skopeo copy, its bytes so far (what its layout holds) said as the job's pending reason as it goes."""
+        if job is None:
+            self._run(argv, reference, None)
+            return
+        deadline = time.monotonic() + self.settings.image_pull_timeout_s
+        of = f" of {_mb(total)} MB" if total else ""
+        job.say(f"pulling image {reference}: 0 MB{of}", now=True)
+        with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self._env()) as proc:
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    proc.wait()
+                    raise ImageUnavailable(f"image {reference}: skopeo took more than image_pull_timeout_s="
+                                           f"{self.settings.image_pull_timeout_s:g}s")
+                try:
+                    proc.wait(PROGRESS_POLL_S)
+                except subprocess.TimeoutExpired:
+                    job.say(f"pulling image {reference}: {_mb(_bytes_under(layout))} MB{of}")
+            stderr = proc.stderr.read()
+        if proc.returncode != 0:
+            raise self._failed(argv, reference, job, stderr)
+
+    def _env(self) -> dict[str, str]:
+        return {"PATH": os.environ.get("PATH", DEFAULT_PATH), "HOME": str(self.root)}
+
+    def _run(self, argv: list[str], reference: str, job: "ForJob | None", *, text: bool = True):
         try:
             done = subprocess.run(argv, capture_output=True, timeout=self.settings.image_pull_timeout_s,
-                                  env={"PATH": os.environ.get("PATH", DEFAULT_PATH), "HOME": str(self.root)})
+                                  env=self._env())
         except subprocess.TimeoutExpired:
             raise ImageUnavailable(f"image {reference}: {argv[0]} took more than image_pull_timeout_s="
                                    f"{self.settings.image_pull_timeout_s:g}s") from None
         if done.returncode != 0:
-            words = done.stderr.decode(errors="replace").strip().splitlines()
-            raise ImageUnavailable(f"image {reference}: {argv[0]} {argv[1]} failed: {(words or ['?'])[-1][:500]}")
+            raise self._failed(argv, reference, job, done.stderr)
         return done.stdout.decode() if text else done.stdout
+
+    def _failed(self, argv: list[str], reference: str, job: "ForJob | None", stderr: bytes) -> ImageUnavailable:
+        """The job's words for a failed skopeo or umoci: its last line, and what to do where a login is missing."""
+        words = (stderr.decode(errors="replace").strip().splitlines() or ["?"])[-1]
+        if (said := SKOPEO_FATAL.search(words)) is not None:  # logrus's line: its message alone
+            words = said[1].replace('\\"', '"')
+        words = words[:500]
+        if job is not None and argv[0] == "skopeo" and (said := job.refused(reference, registry_of(reference), words)):
+            return ImageUnavailable(said)
+        return ImageUnavailable(f"image {reference}: {argv[0]} {argv[1]} failed: {words}")
 
     def evict(self, keep: str | None = None) -> list[str]:
         gone = evict_lru(self.root, max_bytes=self.max_bytes, keep=keep, remove=self._remove)
@@ -253,6 +352,22 @@ def image_config(layout: Path) -> dict:
 
     manifest = blob(json.loads((layout / "index.json").read_text())["manifests"][0]["digest"])
     return blob(manifest["config"]["digest"]).get("config") or {}
+
+
+def _bytes_under(folder: Path) -> int:
+    """The bytes of the files under `folder` (a layout skopeo is writing: its blobs, and the one it streams)."""
+    total = 0
+    for top, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(top, name)).st_size
+            except FileNotFoundError:  # renamed into place meanwhile
+                pass
+    return total
+
+
+def _mb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e6:.1f}" if n < 10e6 else f"{n / 1e6:.0f}"
 
 
 def pull(settings: Settings, reference: str) -> Image:

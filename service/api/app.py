@@ -30,6 +30,7 @@ from service.auth.router import router as auth_router
 from service.dashboard.router import router as dashboard_router
 from service.db import UNREACHABLE, make_engine, make_private_dir, make_sessionmaker
 from service.errors import TrainjobsError, responses
+from service.images.router import router as images_router  # before runners.router: its calls are served there
 from service.jobs.bodies import RenderedJobs
 from service.jobs.router import router as jobs_router
 from service.logs.router import router as logs_router
@@ -141,7 +142,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # finite numbers in its body (strict JSON).
     for router in (jobs_router, metrics_router, logs_router, artifacts_router, plan_router, events_router,
                    auth_router, workers_router, scheduling_router, webhooks_router, sweeps_router,
-                   worker_admin_router):
+                   worker_admin_router, images_router):
         app.include_router(router, dependencies=[Depends(current_principal), Depends(refuse_non_finite)],
                            responses=responses(401, 422))
     # The worker protocol (issue 42): a worker's own credential, checked by each route (a join token for /join);

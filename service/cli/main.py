@@ -23,6 +23,7 @@ from service.cli import jobs as jobs_cli
 from service.cli import joins as joins_cli
 from service.cli import login as login_cli
 from service.cli import pool as pool_cli
+from service.cli import registry as registry_cli
 from service.cli import run as run_cli
 from service.cli import sweeps as sweeps_cli
 from service.cli import tokens as auth_cli
@@ -346,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc_cli.register(sub)
     pool_cli.register(sub)
     webhooks_cli.register(sub)
+    registry_cli.register(sub)
     login_cli.register(sub)
     add_connection_flags(parser)
     return parser

@@ -11,7 +11,7 @@ from service.storage import StoreUnavailable
 from trainjobs import paths
 from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType
-from worker import environments, images, launch, packages, sandbox, store_init, store_sync
+from worker import environments, image_pull, images, launch, packages, sandbox, store_init, store_sync
 from worker.attempt.place import Placed
 from worker.lease import Lease
 
@@ -41,17 +41,17 @@ def find_code(spec: JobSpec, settings: Settings, run_dir: Path, *, lease: Lease 
     entry_script = launch.check_entrypoint(spec, allowed=settings.allow_entrypoints, scripts_dir=scripts_dir)
     return Code(scripts_dir, code_dir, entry_script, requirements(spec, settings, code_dir),
                 init_weights(spec, settings, lease=lease), spec.init_from.job if spec.init_from else None,
-                pull_image(spec, settings, job_id=run_dir.parent.name))
+                pull_image(spec, settings, job_id=run_dir.parent.name, lease=lease))
 
 
-def pull_image(spec: JobSpec, settings: Settings, *, job_id: str) -> images.Image | None:
+def pull_image(spec: JobSpec, settings: Settings, *, job_id: str, lease: Lease | None = None) -> images.Image | None:
     """spec.image from this worker's cache (pulled on a miss), checked for python3 and torch; None without one."""
     if spec.image is None:
         return None
     support = sandbox.for_worker(settings)
     if not support.on:
         raise images.ImageUnavailable(f"this worker cannot run images: it makes no sandbox ({support.why_not})")
-    image = images.ImageCache(settings).get(spec.image)
+    image = images.ImageCache(settings).get(spec.image, image_pull.ForJob.of(settings, lease))  # its owner's login
     try:
         sandbox.check_image(support, settings, image, job_id=job_id, builtin=spec.entrypoint is None)
     except BaseException:
