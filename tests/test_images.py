@@ -19,7 +19,7 @@ import pytest
 from service.settings import Settings
 from tests.helpers import free_port, live_stack, wait_for, wait_terminal
 from trainjobs.spec import IMAGES_LABEL, JobSpec
-from worker import images, sandbox
+from worker import image_box, images
 
 TOOLS = ("skopeo", "umoci", "docker-registry")
 needs_tools = pytest.mark.skipif(any(shutil.which(t) is None for t in TOOLS),
@@ -68,7 +68,7 @@ def test_the_image_root_binds_no_link_and_makes_room_for_the_jobs_folders(tmp_pa
     (root / "proc").mkdir()
     (root / "bin").symlink_to("/etc")  # a link of the image is made again, never followed on the host
     (root / "usr").mkdir()
-    args = sandbox.image_root(root, ["/etc/hosts", "/data/x"])
+    args = image_box.image_root(root, ["/etc/hosts", "/data/x"])
     assert ["--symlink", "/etc", "/bin"] == args[:3]
     assert ["--perms", "0755", "--dir", "/etc"] == args[3:7]  # expanded: /etc/hosts is the sandbox's own
     assert str(root / "etc" / "passwd") in args and str(root / "etc" / "hosts") not in args

@@ -23,7 +23,6 @@ network namespaces without a daemon, and as an unprivileged user (so a worker ne
   start on LAUNCH_ENV, and the job's variables are handed through --setenv.
 """
 
-import functools
 import logging
 import os
 import shutil
@@ -44,7 +43,7 @@ from service.settings import Settings
 from service.workers.fit import RESERVED_LABEL_PREFIX
 from trainjobs import paths
 from trainjobs.runenv import RUN_TAG_ENV
-from worker import cgroups, images
+from worker import cgroups, image_box, images
 
 log = logging.getLogger(__name__)
 SANDBOX_LABEL = f"{RESERVED_LABEL_PREFIX}sandbox"  # "on" | "off": what a spec's selector may require
@@ -220,7 +219,7 @@ def _finish(support: Support, settings: Settings, attempt: Attempt, argv: list[s
         # init_from's weights are another job's files (0640, that job's group): the group is lent, read-only. Whose
         # group is the spec's init_from.job (admission checked the owner may read it), never where a path leads.
         groups = f"--groups={job_uid(settings, attempt.init_job)}" if attempt.init_job else "--clear-groups"
-        setpriv = [SETPRIV] if attempt.image is None else list(_host_setpriv()[1])
+        setpriv = [SETPRIV] if attempt.image is None else list(image_box.host_setpriv(SETPRIV)[1])
         args += ["--", *setpriv, f"--reuid={uid}", f"--regid={uid}", groups, "--inh-caps=-all",
                  "--bounding-set=-all", "--no-new-privs"]
     if attempt.gang:
@@ -302,62 +301,6 @@ def _sys_mounts() -> list[str]:
     return args
 
 
-# --- spec.image (issue 44): the image's rootfs is /, the worker lends what a rank needs of trainjobs ---
-HOST_TOOLS = "/.trainjobs-host"  # the host's setpriv and the libraries it runs on, where the image has neither
-IMAGE_OWN_MOUNTS = ("proc", "dev", "tmp", "sys")  # the sandbox's own, never the image's
-
-
-def runtime_paths() -> list[str]:
-    """trainjobs' light package and the worker's (the built-in runtime, user_main.py, gang_init.py), at their
-    own paths: every path the worker renders into a command line stays true in the image."""
-    return sorted(str(Path(m.__file__).parent) for m in (trainjobs, worker))
-
-
-def _host_setpriv_mounts() -> tuple[list[str], list[str]]:
-    """(mounts, argv): the host's setpriv run by the host's loader on the host's libraries, bound under
-    HOST_TOOLS. NOTE: not the image's setpriv: an image may lack one, or carry one that does not drop."""
-    found = subprocess.run(["ldd", SETPRIV], capture_output=True, text=True, env=LAUNCH_ENV).stdout
-    mounts, loader = ["--ro-bind", SETPRIV, f"{HOST_TOOLS}/setpriv"], None
-    for line in found.splitlines():
-        name, arrow, rest = line.strip().partition(" => ")
-        path = (rest if arrow else name).split(" (")[0].strip()
-        if not path.startswith("/"):
-            continue
-        if arrow:
-            mounts += ["--ro-bind", os.path.realpath(path), f"{HOST_TOOLS}/lib/{name}"]
-        else:
-            loader = os.path.realpath(path)
-    if loader is None:  # a static setpriv
-        return mounts, [f"{HOST_TOOLS}/setpriv"]
-    mounts += ["--ro-bind", loader, f"{HOST_TOOLS}/ld.so"]
-    return mounts, [f"{HOST_TOOLS}/ld.so", "--library-path", f"{HOST_TOOLS}/lib", f"{HOST_TOOLS}/setpriv"]
-
-
-@functools.cache
-def _host_setpriv() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    mounts, argv = _host_setpriv_mounts()
-    return tuple(mounts), tuple(argv)
-
-
-def image_root(rootfs: Path, points: list[str], dest: str = "/") -> list[str]:
-    """The image's entries read-only at their places under `dest`; a folder a later mount point lies in is made
-    in bwrap's root instead and its entries bound one by one (so the point can be made: the image is read-only).
-
-    Never follows a link of the image (rule 6: an image is the job's): a link is made again as a link."""
-    args: list[str] = []
-    for entry in sorted(os.scandir(rootfs), key=lambda e: e.name):
-        target = f"{dest.rstrip('/')}/{entry.name}"
-        if (dest == "/" and entry.name in IMAGE_OWN_MOUNTS) or target in points:
-            continue
-        if entry.is_symlink():
-            args += ["--symlink", os.readlink(entry.path), target]
-        elif entry.is_dir(follow_symlinks=False) and any(p.startswith(f"{target}/") for p in points):
-            args += ["--perms", "0755", "--dir", target, *image_root(Path(entry.path), points, target)]
-        else:
-            args += ["--ro-bind", entry.path, target]
-    return args
-
-
 def _destinations(mounts: list[str]) -> list[str]:
     out, i = [], 0
     while i < len(mounts):
@@ -368,6 +311,7 @@ def _destinations(mounts: list[str]) -> list[str]:
     return out
 
 
+# --- spec.image (issue 44): the image's rootfs is /, the worker lends what a rank needs (worker/image_box.py) ---
 def _image_mounts(settings: Settings, attempt: Attempt, *, network: bool) -> list[str]:
     """The image as /, then what every sandbox has but its system: /proc, /dev, /tmp, /sys, the job's folders,
     trainjobs' packages, the host's setpriv (a root worker) and the job's devices."""
@@ -375,75 +319,33 @@ def _image_mounts(settings: Settings, attempt: Attempt, *, network: bool) -> lis
     mounts += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--tmpfs",
                "/dev/shm", *_sys_mounts()]
     mounts += _data_mounts(settings, attempt)
-    for path in runtime_paths():
-        mounts += ["--ro-bind", path, path]
+    mounts += image_box.runtime_mounts()
     if os.geteuid() == 0:
-        mounts += list(_host_setpriv()[0])
+        mounts += list(image_box.host_setpriv(SETPRIV)[0])
     for device in attempt.devices:
         if os.path.exists(device):
             mounts += ["--dev-bind", device, device]
-    return image_root(attempt.image.rootfs, _destinations(mounts)) + mounts
-
-
-IMAGE_CHECK = """import sys
-if sys.version_info < (3, 10):
-    print("python", sys.version.split()[0]); sys.exit(3)
-try:
-    import torch
-except Exception as exc:
-    print("notorch", type(exc).__name__, exc); sys.exit(4)
-print("torch", torch.__version__)
-"""
+    return image_box.image_root(attempt.image.rootfs, _destinations(mounts)) + mounts
 
 
 def check_image(support: Support, settings: Settings, image: images.Image, *, job_id: str, builtin: bool) -> str:
-    """Run the image's python3 once, in the job's sandbox as the job's uid: its torch version, or ImageUnusable
-    saying what is missing. Remembered per image (a second job on it starts without the check)."""
-    checked = image.entry / "checked"
-    if checked.is_file():
-        version = checked.read_text().strip()
-    else:
+    """The image's torch version, checked once per image by running its python3 in the job's sandbox as the job's
+    uid (image_box.check); ImageUnusable saying what is missing."""
+    def probe(argv: list[str]) -> subprocess.CompletedProcess:
         mounts = ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
         if support.own_uid:
-            mounts += list(_host_setpriv()[0])
+            mounts += list(image_box.host_setpriv(SETPRIV)[0])
         args = [support.bwrap, *_namespace_args(root=support.own_uid, network=False),
-                *with_parents(image_root(image.rootfs, _destinations(mounts)) + mounts), "--chdir", "/tmp",
+                *with_parents(image_box.image_root(image.rootfs, _destinations(mounts)) + mounts), "--chdir", "/tmp",
                 "--clearenv", "--setenv", "PATH", image.path, "--setenv", "HOME", "/tmp"]
         if support.own_uid:
             uid = job_uid(settings, job_id)
-            args += ["--", *_host_setpriv()[1], f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+            args += ["--", *image_box.host_setpriv(SETPRIV)[1], f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                      "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
-        try:
-            done = subprocess.run([*args, "--", "python3", "-c", IMAGE_CHECK], capture_output=True, text=True,
-                                  timeout=120, env=LAUNCH_ENV)
-        except subprocess.TimeoutExpired:
-            raise images.ImageUnusable(f"image {image.reference}: python3 -c 'import torch' took over 120s") from None
-        words = done.stdout.strip().splitlines()[-1:] or [""]
-        kind, _, rest = words[0].partition(" ")
-        if done.returncode != 0 and kind not in ("python", "notorch"):
-            why = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-            if "execvp python3" in why[0] or "No such file" in why[0]:
-                raise images.ImageUnusable(f"image {image.reference} has no python3 on its PATH ({image.path})")
-            raise images.ImageUnusable(f"image {image.reference}: python3 does not start: {why[0][:300]}")
-        if kind == "python":
-            raise images.ImageUnusable(f"image {image.reference}: python {rest} in the image; trainjobs needs "
-                                       "3.10 or later")
-        if kind == "notorch":
-            raise images.ImageUnusable(f"image {image.reference}: torch missing in the image ({rest[:200]})")
-        version = rest
-        checked.write_text(version)
-    if builtin and _older(version, (2, 4)):
-        raise images.ImageUnusable(f"image {image.reference}: torch {version} in the image; the built-in runtime "
-                                   "needs 2.4 or later")
-    return version
+        return subprocess.run([*args, "--", *argv], capture_output=True, text=True,
+                              timeout=image_box.CHECK_TIMEOUT_S, env=LAUNCH_ENV)
 
-
-def _older(version: str, than: tuple[int, int]) -> bool:
-    try:
-        major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) < than
+    return image_box.check(image, probe, builtin=builtin)
 
 
 def _offline_names(run_dir: Path) -> list[str]:
@@ -607,11 +509,8 @@ class Box:
         (self.attempt.run_dir / "home").mkdir(exist_ok=True)
         if not self.support.on:
             return argv, env
-        if (image := self.attempt.image) is not None:  # its PATH finds its python3; its own libraries, not the host's
-            env.pop("LD_LIBRARY_PATH", None)
-            runtime = [str(Path(p).parent) for p in runtime_paths()]
-            env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in (env.get("PYTHONPATH"), *runtime) if p))
-            env["PATH"] = image.path
+        if self.attempt.image is not None:  # its PATH finds its python3; its own libraries, not the host's
+            env = image_box.job_env(env, self.attempt.image)
         if not self.attempt.gang and self.support.network == "private":
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback is all there is: gloo and NCCL must bind it
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")

@@ -1,0 +1,143 @@
+"""spec.image's part of the sandbox (issue 44): the image's rootfs as the job's /, what the worker lends into it
+(trainjobs' packages, the host's setpriv), its environment, and the one check that its python3 and torch run.
+
+worker/sandbox.py builds bwrap's command line (namespaces, the job's folders, its uid) and calls these where an
+attempt has an image; this module knows images, not namespaces. Every path the worker renders into a command line
+(the runtime, gang_init.py, the job's folders) is bound at its own path, so it stays true inside the image.
+"""
+
+import functools
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import trainjobs
+import worker
+from worker import images
+
+HOST_TOOLS = "/.trainjobs-host"  # the host's setpriv and the libraries it runs on, where the image has neither
+IMAGE_OWN_MOUNTS = ("proc", "dev", "tmp", "sys")  # the sandbox's own, never the image's
+LDD_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+CHECK_TIMEOUT_S = 120
+IMAGE_CHECK = """import sys
+if sys.version_info < (3, 10):
+    print("python", sys.version.split()[0]); sys.exit(3)
+try:
+    import torch
+except Exception as exc:
+    print("notorch", type(exc).__name__, exc); sys.exit(4)
+print("torch", torch.__version__)
+"""
+
+
+def runtime_paths() -> list[str]:
+    """trainjobs' light package and the worker's (the built-in runtime, user_main.py, gang_init.py), at their
+    own paths: every path the worker renders into a command line stays true in the image."""
+    return sorted(str(Path(m.__file__).parent) for m in (trainjobs, worker))
+
+
+def runtime_mounts() -> list[str]:
+    return [arg for path in runtime_paths() for arg in ("--ro-bind", path, path)]
+
+
+def _host_setpriv_mounts(setpriv: str) -> tuple[list[str], list[str]]:
+    """(mounts, argv): the host's setpriv run by the host's loader on the host's libraries, bound under
+    HOST_TOOLS. NOTE: not the image's setpriv: an image may lack one, or carry one that does not drop."""
+    found = subprocess.run(["ldd", setpriv], capture_output=True, text=True, env=LDD_ENV).stdout
+    mounts, loader = ["--ro-bind", setpriv, f"{HOST_TOOLS}/setpriv"], None
+    for line in found.splitlines():
+        name, arrow, rest = line.strip().partition(" => ")
+        path = (rest if arrow else name).split(" (")[0].strip()
+        if not path.startswith("/"):
+            continue
+        if arrow:
+            mounts += ["--ro-bind", os.path.realpath(path), f"{HOST_TOOLS}/lib/{name}"]
+        else:
+            loader = os.path.realpath(path)
+    if loader is None:  # a static setpriv
+        return mounts, [f"{HOST_TOOLS}/setpriv"]
+    mounts += ["--ro-bind", loader, f"{HOST_TOOLS}/ld.so"]
+    return mounts, [f"{HOST_TOOLS}/ld.so", "--library-path", f"{HOST_TOOLS}/lib", f"{HOST_TOOLS}/setpriv"]
+
+
+@functools.cache
+def host_setpriv(setpriv: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(its mounts, the argv that runs it) of the host's `setpriv` inside an image; found once per process."""
+    mounts, argv = _host_setpriv_mounts(setpriv)
+    return tuple(mounts), tuple(argv)
+
+
+def image_root(rootfs: Path, points: list[str], dest: str = "/") -> list[str]:
+    """The image's entries read-only at their places under `dest`; a folder a later mount point lies in is made
+    in bwrap's root instead and its entries bound one by one (so the point can be made: the image is read-only).
+
+    Never follows a link of the image (rule 6: an image is the job's): a link is made again as a link."""
+    args: list[str] = []
+    for entry in sorted(os.scandir(rootfs), key=lambda e: e.name):
+        target = f"{dest.rstrip('/')}/{entry.name}"
+        if (dest == "/" and entry.name in IMAGE_OWN_MOUNTS) or target in points:
+            continue
+        if entry.is_symlink():
+            args += ["--symlink", os.readlink(entry.path), target]
+        elif entry.is_dir(follow_symlinks=False) and any(p.startswith(f"{target}/") for p in points):
+            args += ["--perms", "0755", "--dir", target, *image_root(Path(entry.path), points, target)]
+        else:
+            args += ["--ro-bind", entry.path, target]
+    return args
+
+
+def job_env(env: dict[str, str], image: images.Image) -> dict[str, str]:
+    """The job's variables in its image: the image's PATH (it finds the image's python3), trainjobs' packages on
+    PYTHONPATH, and not the host's LD_LIBRARY_PATH (the image's own libraries, not the host's)."""
+    env = {k: v for k, v in env.items() if k != "LD_LIBRARY_PATH"}
+    runtime = [str(Path(p).parent) for p in runtime_paths()]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in (env.get("PYTHONPATH"), *runtime) if p))
+    env["PATH"] = image.path
+    return env
+
+
+def check(image: images.Image, probe: Callable[[list[str]], subprocess.CompletedProcess], *, builtin: bool) -> str:
+    """The image's torch version, from running IMAGE_CHECK on its python3 (`probe(argv)`: in the job's sandbox,
+    as its uid), or ImageUnusable saying what is missing. Remembered per image (a second job on it starts
+    without the check)."""
+    checked = image.entry / "checked"
+    if checked.is_file():
+        version = checked.read_text().strip()
+    else:
+        try:
+            done = probe(["python3", "-c", IMAGE_CHECK])
+        except subprocess.TimeoutExpired:
+            raise images.ImageUnusable(f"image {image.reference}: python3 -c 'import torch' took over "
+                                       f"{CHECK_TIMEOUT_S}s") from None
+        version = _verdict(image, done)
+        checked.write_text(version)
+    if builtin and _older(version, (2, 4)):
+        raise images.ImageUnusable(f"image {image.reference}: torch {version} in the image; the built-in runtime "
+                                   "needs 2.4 or later")
+    return version
+
+
+def _verdict(image: images.Image, done: subprocess.CompletedProcess) -> str:
+    """The torch version IMAGE_CHECK printed, or ImageUnusable in the words of what failed."""
+    words = done.stdout.strip().splitlines()[-1:] or [""]
+    kind, _, rest = words[0].partition(" ")
+    if done.returncode != 0 and kind not in ("python", "notorch"):
+        why = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        if "execvp python3" in why[0] or "No such file" in why[0]:
+            raise images.ImageUnusable(f"image {image.reference} has no python3 on its PATH ({image.path})")
+        raise images.ImageUnusable(f"image {image.reference}: python3 does not start: {why[0][:300]}")
+    if kind == "python":
+        raise images.ImageUnusable(f"image {image.reference}: python {rest} in the image; trainjobs needs "
+                                   "3.10 or later")
+    if kind == "notorch":
+        raise images.ImageUnusable(f"image {image.reference}: torch missing in the image ({rest[:200]})")
+    return rest
+
+
+def _older(version: str, than: tuple[int, int]) -> bool:
+    try:
+        major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) < than
