@@ -140,7 +140,7 @@ def test_report_writes_lines_the_supervisor_ships_only_on_local_rank_zero_and_th
         job_id = jobs.create(db, spec=JobSpec.model_validate(entry_spec(module="x"))).id
         db.commit()
         tail = MetricTail(path)
-        assert tail.write(db, job_id=job_id, attempt=1) == 3
+        assert metrics.insert_shipped(db, job_id=job_id, attempt=1, points=tail.part()) == 3
         db.commit()
         tail.committed()
         series = {s["name"]: s for s in metrics.read_series(db, job_id=job_id)}

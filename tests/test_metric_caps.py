@@ -19,7 +19,7 @@ def _line(step: int, **values) -> str:
 
 def _ship(sessions, tail: MetricTail, job_id: str) -> int:
     with sessions() as db:
-        n = tail.write(db, job_id=job_id, attempt=1)
+        n = metrics.insert_shipped(db, job_id=job_id, attempt=1, points=tail.part())
         db.commit()
     tail.committed()
     return n

@@ -65,10 +65,12 @@ def _new_job(db) -> str:
 
 
 def _ship(db, shipper: LogShipper, data: bytes, *, final: bool = False) -> None:
+    """Stage `data` and store every part it makes, as `ship` stores a batch's (service/runners/ship_calls.py)."""
     shipper.stage(data, final=final)
-    shipper.write(db)
-    db.commit()
-    shipper.committed()
+    while (part := shipper.part()) is not None:
+        logs.append(db, job_id=shipper.job_id, attempt=shipper.attempt, node_rank=shipper.node_rank, **part)
+        db.commit()
+        shipper.committed()
 
 
 def test_a_log_over_its_cap_keeps_its_head_a_marker_with_the_cut_count_and_the_traceback(settings):
@@ -79,7 +81,7 @@ def test_a_log_over_its_cap_keeps_its_head_a_marker_with_the_cut_count_and_the_t
                                  f"sys.stdout.flush(); sys.stdout.buffer.write({TRACEBACK!r})", max_pending=8 * 2**20)
     engine = make_engine(settings.database_url)
     with make_sessionmaker(engine)() as db:
-        shipper = LogShipper(db, job_id=(job_id := _new_job(db)), attempt=1, max_bytes=1_000_000)
+        shipper = LogShipper(job_id=(job_id := _new_job(db)), attempt=1, max_bytes=1_000_000)
         while proc.poll() is None:
             _ship(db, shipper, pump.take())
             time.sleep(0.01)
@@ -102,7 +104,7 @@ def test_a_log_over_its_cap_keeps_its_head_a_marker_with_the_cut_count_and_the_t
 def test_a_log_whose_database_stalls_holds_no_more_than_its_cap_in_memory(settings):
     engine = make_engine(settings.database_url)
     with make_sessionmaker(engine)() as db:
-        shipper = LogShipper(db, job_id=(job_id := _new_job(db)), attempt=1, max_bytes=2**20)
+        shipper = LogShipper(job_id=(job_id := _new_job(db)), attempt=1, max_bytes=2**20)
         chunk = b"y" * 2**20
         tracemalloc.start()
         try:

@@ -15,7 +15,7 @@ from service.metrics import service as metrics
 from service.metrics.models import Metric, MetricBlock
 from tests.conftest import mlp_spec
 from trainjobs.spec import JobSpec
-from worker.shipping import LogShipper, MetricCaps, MetricTail
+from worker.shipping import MetricCaps, MetricTail
 from worker.supervisor import Supervisor
 
 
@@ -51,8 +51,7 @@ def test_a_ship_with_nothing_new_writes_nothing_and_the_job_s_etag_moves_only_wi
     run_dir.mkdir()
     sup = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=attempt,
                      spec=JobSpec.model_validate(spec), run_dir=run_dir)
-    with sessions() as db:
-        sup.logs = LogShipper(db, job_id=job_id, attempt=attempt, max_bytes=1 << 20)
+    sup.shipper.open(max_bytes=1 << 20)
     output = Output()
     report(run_dir, 1, 2)
     output.data = b"step 2\n"
@@ -120,7 +119,7 @@ def test_points_copied_on_postgresql_are_exactly_those_an_insert_stores(db_url, 
         tail = MetricTail(path, caps)
         while True:
             with sessions() as db:
-                tail.write(db, job_id=job_id, attempt=1, node_rank=1)
+                metrics.insert_shipped(db, job_id=job_id, attempt=1, node_rank=1, points=tail.part())
                 db.commit()
             tail.committed()
             if not tail.more:

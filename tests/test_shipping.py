@@ -20,7 +20,6 @@ from tests.conftest import mlp_spec
 from trainjobs.runenv import RUN_TAG_ENV
 from trainjobs.spec import JobSpec
 from trainjobs.states import JobStatus
-from worker import shipping
 from worker.launch import Gang
 from worker.shipping import LogShipper
 from worker.supervisor import Shipped, Supervisor
@@ -32,31 +31,34 @@ def test_log_is_one_byte_stream_that_survives_split_utf8_and_keeps_its_head_and_
     with sessions() as db:
         job_id = jobs.create(db, spec=JobSpec.model_validate(mlp_spec())).id
         db.commit()
-        first = LogShipper(db, job_id=job_id, attempt=1, max_bytes=64)
+        first = LogShipper(job_id=job_id, attempt=1, max_bytes=64)
         snowman = "☃".encode()
         first.stage(b"a" + snowman[:1])  # a character split across two reads
-        first.write(db)
-        db.commit()
-        first.committed()
+        _store(db, first)
         first.stage(snowman[1:] + b"b\n")
-        first.write(db)
-        db.commit()
-        first.committed()
+        _store(db, first)
         assert logs.read(db, job_id=job_id) == ("a☃b\n".encode(), 6)
-        second = LogShipper(db, job_id=job_id, attempt=2, max_bytes=64)  # a later attempt appends
+        offset, seq = logs.log_size(db, job_id=job_id)  # what `open` answers a later attempt: it appends
+        second = LogShipper(job_id=job_id, attempt=2, max_bytes=64, offset=offset, seq=seq)
         assert second.offset == 6
         second.stage(b"x" * 100)
-        second.write(db)
-        db.commit()
-        second.committed()
+        _store(db, second)
         assert logs.read(db, job_id=job_id)[0] == "a☃b\n".encode() + b"x" * 29  # the head of its 58 bytes' room
         second.stage(b"more", final=True)
-        second.write(db)
+        _store(db, second)
         data, end = logs.read(db, job_id=job_id)
         assert data == ("a☃b\n".encode() + b"x" * 29 + b"\n[trainjobs] ... 46 bytes of output cut here "
                         b"(log cap TRAINJOBS_LOG_MAX_BYTES=64) ...\n" + b"x" * 25 + b"more")
         assert logs.read(db, job_id=job_id, offset=end - 5) == (data[-5:], end)
     engine.dispose()
+
+
+def _store(db, shipper: LogShipper) -> None:
+    """What `ship` does with a batch's log part (service/runners/ship_calls.py); then the shipper moves on."""
+    if (part := shipper.part()) is not None:
+        logs.append(db, job_id=shipper.job_id, attempt=shipper.attempt, node_rank=shipper.node_rank, **part)
+    db.commit()
+    shipper.committed()
 
 
 class _NoOutput:
@@ -87,8 +89,7 @@ def test_a_gang_s_progress_is_node_0_s_or_a_node_that_is_ahead_of_it(settings, t
         run_dir.mkdir()
         sup = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=1, spec=spec, run_dir=run_dir,
                          gang=gang)
-        with sessions() as db:
-            sup.logs = LogShipper(db, job_id=job_id, attempt=1, node_rank=rank, max_bytes=1 << 20)
+        sup.shipper.open(max_bytes=1 << 20)
         return sup
 
     def report(sup: Supervisor, step: int) -> None:
@@ -188,8 +189,7 @@ def test_a_batch_the_database_refuses_costs_neither_the_lease_nor_the_log_and_al
     spec = JobSpec.model_validate(mlp_spec())
     job_id = start_attempt(sessions, spec)
     sup = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=1, spec=spec, run_dir=tmp_path)
-    with sessions() as db:
-        sup.logs = LogShipper(db, job_id=job_id, attempt=1, max_bytes=1 << 20)
+    sup.shipper.open(max_bytes=1 << 20)
     metrics_file = tmp_path / "metrics.jsonl"
     metrics_file.write_text(json.dumps({"type": "metrics", "step": 1, "time": time.time(),
                                         "metrics": {"loss": 1.0}}) + "\n")
@@ -199,7 +199,7 @@ def test_a_batch_the_database_refuses_costs_neither_the_lease_nor_the_log_and_al
         raise DataError("refused", None, Exception("a value the database refuses"))
 
     with monkeypatch.context() as m:
-        m.setattr(shipping.metrics, "insert_batch", refuse)
+        m.setattr(metrics, "insert_batch", refuse)
         assert sup._ship(_NoOutput()) is Shipped.REFUSED  # log and metrics together: refused
         with sessions() as db:
             assert logs.read(db, job_id=job_id)[0] == b""

@@ -1,4 +1,4 @@
-"""Move what a run writes (output, metric lines) into the database in batches."""
+"""What a run writes (output, metric lines), read in bounded batches for the worker protocol's `ship`."""
 
 import codecs
 import math
@@ -8,15 +8,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from itertools import repeat
 from pathlib import Path
 
-from sqlalchemy.orm import Session
-
 from service import jobfiles
-from service.logs import service as logs
-from service.metrics import service as metrics
+from service.runners.ship_calls import POINTS_MAX
 from trainjobs.runenv import METRIC_NAME_MAX, parse_record
 from worker.redact import Redactor
 
@@ -44,6 +40,7 @@ def storable_json(value):
 
 PUMP_MAX_PENDING = 2 * 2**20  # bytes an OutputPump holds untaken; past it the oldest go, so the tail survives
 TAIL_MAX = 2**20  # bytes of a log's tail held in memory until the run ends (the rest of its room is the head's)
+PART_CHARS = 2**20  # characters of output one batch carries (ship_calls.LOG_TEXT_MAX bounds head + tail)
 READ_BYTES = 65536
 UTF8_CONTINUATION = range(0x80, 0xC0)
 
@@ -112,8 +109,9 @@ class OutputPump:
 class LogShipper:
     """Appends output to the job's log, up to a cap per job, keeping the head and the tail of what is over it.
 
-    write() adds to the open transaction; committed() moves on only once it is stored,
-    so a failed commit loses nothing: the next write() sends the same text again.
+    part() gives the next chunk as data for a batch (at most PART_CHARS of output, then the tail); committed() moves
+    on only once it is stored, so a batch that was not loses nothing: the next part() holds its text again. Output
+    staged while a batch is on its way stays for the next one.
 
     Of the room the cap leaves this attempt, the head (half, or all but TAIL_MAX) is shipped as it comes. Past it the
     shipper keeps only the newest bytes, up to the rest (the tail), in memory: stored chunks cannot be
@@ -122,9 +120,11 @@ class LogShipper:
     the end; then its last part, with the traceback a failed run printed last.
     """
 
-    def __init__(self, db: Session, *, job_id: str, attempt: int, max_bytes: int, node_rank: int = 0):
+    def __init__(self, *, job_id: str, attempt: int, max_bytes: int, node_rank: int = 0, offset: int = 0,
+                 seq: int = 1):
+        """`offset`, `seq`: the node's log as stored (bytes, next chunk's seq), from the protocol's `open`."""
         self.job_id, self.attempt, self.max_bytes, self.node_rank = job_id, attempt, max_bytes, node_rank
-        self.offset, self.seq = logs.log_size(db, job_id=job_id, node_rank=node_rank)
+        self.offset, self.seq = offset, seq
         # Keeps a UTF-8 sequence split across two reads until its last byte arrives.
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.pending = ""
@@ -134,8 +134,9 @@ class LogShipper:
         self._head_left = room - self._tail_left
         self.truncated = False  # past the head: output goes to the tail
         self._tail, self._cut = bytearray(), 0  # the newest output past the head (UTF-8), and the bytes cut
-        self._ending = False  # a final=True stage came: write() stores the tail
-        self._tail_sent = False  # the write() in the open transaction holds the tail
+        self._ending = False  # a final=True stage came: part() holds the tail
+        self._sent_chars = 0  # characters of `pending` the last part() holds
+        self._tail_sent: int | None = None  # bytes of the tail the last part() holds
         self._at_line_start = True
         self.recent = ""  # the last few KiB, for error excerpts
         self.redact = Redactor(os.environ)  # the worker's secrets, should a rank print them
@@ -193,30 +194,36 @@ class LogShipper:
 
     @property
     def news(self) -> bool:
-        """Whether write() has anything to store (staged output, or the tail once the run has ended)."""
+        """Whether part() has anything to store (staged output, or the tail once the run has ended)."""
         self._split_head()
         return bool(self.pending) or (self.truncated and self._ending and bool(self._tail or self._cut))
 
-    def write(self, db: Session) -> None:
+    def part(self) -> dict | None:
+        """The next chunk as a batch carries it ({start, seq, text}), None for none: at most PART_CHARS of the
+        staged output and, once all of it is in and the run has ended, the tail. Until committed() it stays
+        staged (a part() again holds it again)."""
         self._split_head()
-        text = self.pending
-        if self.truncated and self._ending and (self._tail or self._cut):
-            self._tail_sent = True
+        text = self.pending[:PART_CHARS]
+        self._sent_chars, self._tail_sent = len(text), None
+        if len(text) == len(self.pending) and self.truncated and self._ending and (self._tail or self._cut):
+            self._tail_sent = len(self._tail)
             text += self._tail_text()
-        if not text:
-            return
-        self._written = logs.append(db, job_id=self.job_id, attempt=self.attempt, start=self.offset,
-                                    seq=self.seq, text=text, node_rank=self.node_rank)
+        self._written = len(text.encode())
+        return {"start": self.offset, "seq": self.seq, "text": text} if text else None
 
     def committed(self) -> None:
+        """The last part() is stored: move past it (what was staged since stays for the next)."""
         if not self._written:
             return
-        self._head_left -= len(self.pending.encode())
-        if self._tail_sent:  # stored: what comes after (a note of the worker's) has the tail's room left
-            self._tail_left = max(0, self._tail_left - len(self._tail))
-            self._tail, self._cut, self._tail_sent = bytearray(), 0, False
-        self._at_line_start = self.pending.endswith("\n") if self.pending else self._at_line_start
-        self.offset, self.seq, self._written, self.pending = self.offset + self._written, self.seq + 1, 0, ""
+        sent = self.pending[:self._sent_chars]
+        self._head_left -= len(sent.encode())
+        if self._tail_sent is not None:  # stored: what comes after (a note of the worker's) has the tail's room left
+            self._tail_left = max(0, self._tail_left - self._tail_sent)
+            del self._tail[:self._tail_sent]
+            self._cut, self._tail_sent = 0, None
+        self._at_line_start = sent.endswith("\n") if sent else self._at_line_start
+        self.pending = self.pending[self._sent_chars:]
+        self.offset, self.seq, self._written, self._sent_chars = self.offset + self._written, self.seq + 1, 0, 0
 
 
 @dataclass(frozen=True)
@@ -232,7 +239,7 @@ class MetricCaps:
     def of(cls, settings) -> "MetricCaps":
         return cls(max_points=settings.metric_max_points, max_names=settings.metric_max_names,
                    name_max_chars=settings.metric_name_max_chars,
-                   rows_per_ship=max(100, int(settings.metric_max_points_per_s * settings.poll_s)))
+                   rows_per_ship=min(POINTS_MAX, max(100, int(settings.metric_max_points_per_s * settings.poll_s))))
 
 
 READ_MAX = 4 * 2**20  # bytes of the metrics file read per ship
@@ -274,8 +281,8 @@ LIVE = ("samples_per_s", "tokens_per_s", "step_time_s", "mfu", "gpu_util", "gpu_
 class MetricTail:
     """Reads complete JSON lines that the reporter appended since the last committed read, in bounded batches.
 
-    Each batch (stage() reads it, write() stores it) is at most READ_MAX bytes and caps.rows_per_ship points (the
-    rest waits in the file, on the run dir's disk, for the next one: `more`); while more than THIN_BACKLOG bytes
+    Each batch (stage() reads it, part() gives it to a ship) is at most READ_MAX bytes and caps.rows_per_ship points
+    (the rest waits in the file, on the run dir's disk, for the next one: `more`); while more than THIN_BACKLOG bytes
     wait, it keeps one step record in k and counts the others as thinned, so a job that reports faster than the
     service ingests neither grows the worker's memory nor holds its end for long. Per job: at most max_points
     points and max_names names, each name at most name_max_chars; what is past a cap is counted (`counts`), never
@@ -297,8 +304,8 @@ class MetricTail:
         self._timed = False  # the built-in runtime reports step_time_s; a user's script usually does not
         self.counts = Counts()
         self._staged = (Counts(), set(), 0, 0)  # this write's counts, new names, points, rows
-        self._rows: list[tuple[int, str, float, datetime]] | None = None  # what stage() read, for write()
-        self.more = False  # write() left lines in the file for the next one
+        self._rows: list[tuple[int, str, float, float]] | None = None  # what stage() read, for part()
+        self.more = False  # the batch left lines in the file for the next one
         self._skipping = False  # inside a line longer than READ_MAX: its rest is skipped
         self._records = 0  # step records read, for thinning
         # Each log window's own step time per rank (the runtime's step_time_s/rank<r>), once committed.
@@ -319,16 +326,16 @@ class MetricTail:
             return b"", 0
         return data, max(0, size - self.pos - len(data))  # (the file may have grown since the fstat)
 
-    def write(self, db: Session, *, job_id: str, attempt: int, node_rank: int = 0) -> int:
-        """Store the batch stage() read (reading it now if none is staged) in the open transaction; committed()
-        moves on once it is stored. The points written."""
+    def part(self) -> list[tuple[int, str, float, float]]:
+        """The points stage() read (reading them now if none are staged), as a batch carries them: (step, name,
+        value, unix time) (service/runners/ship_calls.py). committed() moves on once they are stored."""
         if self._rows is None:
             self.stage()
         rows, self._rows = self._rows, None
-        return metrics.insert_batch(db, job_id=job_id, attempt=attempt, node_rank=node_rank, rows=rows)
+        return rows
 
     def stage(self) -> int:
-        """Read and parse the next batch from the file, touching no database: the points write() will store.
+        """Read and parse the next batch from the file: the points part() gives.
 
         Read again from the last committed position on every call, so a batch whose commit failed is the next
         one again. A ship with nothing staged (and nothing else new) needs no transaction (worker/attempt/ship.py).
@@ -368,7 +375,7 @@ class MetricTail:
             if record["type"] == "preempted":
                 self.preempted_at_step = record["step"]
                 continue
-            if len(rows) + len(record["metrics"]) > self.caps.rows_per_ship and rows:  # the rest: the next write
+            if len(rows) + len(record["metrics"]) > self.caps.rows_per_ship and rows:  # the rest: the next batch
                 self._next_pos, self.more = self.pos + offset - len(line), True
                 break
             records += 1
@@ -377,8 +384,8 @@ class MetricTail:
                 counts.thinned += len(record["metrics"])
             else:
                 points = self._points(record, counts, new_names, len(rows))
-                at = datetime.fromtimestamp(record["time"], UTC)
-                rows.extend(zip(repeat(step), points, points.values(), repeat(at)))  # (C-speed: the hot loop)
+                # (C-speed: the hot loop)
+                rows.extend(zip(repeat(step), points, points.values(), repeat(record["time"])))
                 if ranks := {int(n[len(RANK_SERIES):]): v for n, v in points.items()
                              if n.startswith(RANK_SERIES) and n[len(RANK_SERIES):].isdigit()}:
                     self._rank_staged.append(ranks)

@@ -23,6 +23,7 @@ NOTE: the ranks write these folders, so a file in them may be a link planted to 
 something else: every file is opened from its folder's descriptor with O_NOFOLLOW (service/storage/tree.py).
 """
 
+import itertools
 import json
 import logging
 import os
@@ -33,11 +34,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sqlalchemy.orm import Session, sessionmaker
-
 from service import jobfiles
-from service.jobs.service import record_event
 from service.packages import stored as package_store
+from service.runners.ship_calls import EVENT_DETAIL_MAX
 from service.settings import Settings
 from service.storage import StoreUnavailable, artifact_key, open_store
 from service.storage.store import Store, checkpoint_key, manifest_key, part_key
@@ -45,6 +44,7 @@ from service.storage.tree import upload_tree
 from trainjobs import paths
 from trainjobs.spec import JobSpec
 from trainjobs.states import ErrorType
+from worker.control import Control, Unreachable
 from worker.lease import Lease
 from worker.packages import PackageUnavailable
 from worker.store_gang import GangParts, folders, identity, marked, prune_copies
@@ -75,11 +75,11 @@ class NoSync:
 
 
 def for_attempt(settings: Settings, *, job_id: str, job_dir: Path, spec: JobSpec, node_rank: int, gang: bool,
-                lease: Lease | None = None, sessions: sessionmaker[Session] | None = None) -> "AttemptSync | NoSync":
+                lease: Lease | None = None, note: Callable[[str, str], None] | None = None) -> "AttemptSync | NoSync":
     """The attempt's sync, or NoSync without a store. `lease`: once it is lost (or, as far as this worker knows,
     run out) the attempt stores nothing more: fencing across machines, where the job folder's OWNER file is only
-    local; and its tick while the supervisor waits on the store. `sessions`: where the job's events go (none: only
-    the worker's log says the store is out of reach)."""
+    local; and its tick while the supervisor waits on the store. `note(kind, detail)`: records a job event
+    (event_writer; none: only the worker's log says the store is out of reach)."""
     store = open_store(settings)
     if store is None:
         return NoSync()
@@ -87,22 +87,34 @@ def for_attempt(settings: Settings, *, job_id: str, job_dir: Path, spec: JobSpec
                        wait_s=settings.store_wait_s, node_rank=node_rank,
                        marks=paths.SCRIPT_MARKS if spec.entrypoint is not None else (paths.CHECKPOINT_COMPLETE,),
                        nnodes=spec.resources.nnodes if gang else 1,
-                       note=event_writer(sessions, job_id) if sessions is not None else None,
+                       note=note,
                        **({} if lease is None else {
                            "stale": lambda: lease.lost or lease.expired, "lost": lambda: lease.lost,
                            # one request's worst (botocore's 3 tries of connect and read) and one backoff's sleep
                            "alive": lambda: lease.tick(busy_s=6 * settings.store_timeout_s + BACKOFF_MAX_S)}))
 
 
-def event_writer(sessions: sessionmaker[Session], job_id: str) -> Callable[[str, str], None]:
-    """A job event per call; a database out of reach loses the event, never the upload."""
+def event_writer(control: Control, *, job_id: str, attempt: int, node_rank: int, seq: int = 0
+                 ) -> Callable[[str, str], None]:
+    """A job event per call, through the worker protocol's `event` (service/runners/ship_calls.py), numbered after
+    `seq` (the attempt's last one stored): sent again once when the control plane did not answer, and stored once
+    however often it is sent. One out of reach twice loses the event, never the upload."""
+    numbers, lock = itertools.count(seq + 1), threading.Lock()
+
     def note(kind: str, detail: str) -> None:
-        try:
-            with sessions() as db:
-                record_event(db, job_id=job_id, kind=kind, detail=detail[:2000])
-                db.commit()
-        except Exception as exc:  # noqa: BLE001 - an event is a courtesy: the store's state is in the log too
-            log.warning("job %s: could not record %s: %s", job_id, kind, exc)
+        with lock:  # the upload thread and the supervisor's: numbered in the order they are sent
+            body = {"job_id": job_id, "attempt": attempt, "node_rank": node_rank, "seq": next(numbers),
+                    "kind": kind, "detail": detail[:EVENT_DETAIL_MAX]}
+            for last_try in (False, True):
+                try:
+                    control.call("event", body)
+                    return
+                except Unreachable as exc:
+                    if last_try:
+                        log.warning("job %s: could not record %s: %s", job_id, kind, exc)
+                except Exception as exc:  # noqa: BLE001 - an event is a courtesy: the store's state is in the log too
+                    log.warning("job %s: could not record %s: %s", job_id, kind, exc)
+                    return
     return note
 
 

@@ -12,7 +12,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service import jobfiles
 from service.jobs import lifecycle, records
-from service.metrics import service as metrics_service
 from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec
@@ -63,9 +62,9 @@ class Supervisor:
         self._preempt_sent = -float("inf")
         self.watch = Watch(spec=spec, settings=settings, job_id=job_id, attempt=attempt, metrics=self.metrics)
         self.health = devices.HealthWatch(self.placed.gpus)  # a GPU of its turned bad: stopped, retried elsewhere
-        self.shipper = Shipper(sessions=sessions, spec=spec, job_id=job_id, attempt=attempt, node_rank=self.node_rank,
-                               gang=gang is not None, lease=self.lease, metrics=self.metrics, watch=self.watch,
-                               take_held=self._take_held)
+        self.shipper = Shipper(control=self.control, spec=spec, job_id=job_id, attempt=attempt,
+                               node_rank=self.node_rank, gang=gang is not None, lease=self.lease, metrics=self.metrics,
+                               watch=self.watch, take_held=self._take_held)
 
     @property
     def lease_lost(self) -> bool:
@@ -93,12 +92,8 @@ class Supervisor:
         except prepare.REFUSALS as exc:  # before anything starts: the job fails, the worker goes on
             return Outcome(JobStatus.FAILED, error=prepare.refusal(exc))
         job_dir = paths.job_dir(self.settings.resolved_storage_dir, self.job_id)
-        with self.sessions() as db:
-            self.logs = LogShipper(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
-                                   max_bytes=self.settings.log_max_bytes)
-            # What earlier attempts used of the job's metric caps.
-            self.metrics.names, self.metrics.points = metrics_service.stored(db, job_id=self.job_id,
-                                                                             node_rank=self.node_rank)
+        # The node's stored log, and what earlier attempts used of the job's metric caps (the protocol's `open`).
+        self.shipper.open(max_bytes=self.settings.log_max_bytes)
         env = sync = None
         try:
             if code.requirements:
@@ -114,7 +109,9 @@ class Supervisor:
             # --- object storage (issue 31, worker/store_sync.py): no-op without TRAINJOBS_STORAGE_URL ---
             sync = store_sync.for_attempt(self.settings, job_id=self.job_id, job_dir=job_dir, spec=self.spec,
                                           node_rank=self.node_rank, gang=self.gang is not None,
-                                          lease=self.lease, sessions=self.sessions)
+                                          lease=self.lease,
+                                          note=store_sync.event_writer(self.control, **self.shipper.ref(),
+                                                                       seq=self.shipper.event_seq))
             if error := sync.restore():  # the store's newest checkpoint, where this machine lacks it
                 return Outcome(JobStatus.FAILED, error=error)
             sync.start()  # uploads each new complete checkpoint while the ranks train

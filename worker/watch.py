@@ -1,18 +1,15 @@
 """What the supervisor watches in a running attempt besides its lifetime: hangs (with every rank's stack), the
 stacks a user asks for, stragglers, and idle devices (from the usage it samples: worker/usage.py). Called once
-per poll; what it finds is written in the shipping transaction (write, then committed once stored, as the log
-and the metrics are)."""
+per poll; what it finds goes in the attempt's next batch (part, then committed once stored, as the log and the
+metrics do)."""
 
 import collections
 import logging
 import statistics
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 
-from sqlalchemy.orm import Session
-
-from service.jobs import records
-from service.metrics import service as metrics_service
+from service.runners.ship_calls import SAMPLES_MAX, WARNINGS_MAX
 from service.settings import Settings
 from trainjobs.spec import JobSpec
 from worker import stacks, usage
@@ -65,8 +62,8 @@ class Watch:
         if self._gpus is not None and self._gpus.source is None:  # "auto" on a machine without a GPU: its CPUs
             self._gpus = None
         self._cpu = usage.RankCpu()
-        self.samples_pending: list[tuple[int, str, float, datetime]] = []
-        self._written: tuple[dict | None, int, int] = (None, 0, 0)  # what the last write() added to its transaction
+        self.samples_pending: list[tuple[int, str, float, float]] = []  # (step, name, value, unix time)
+        self._written: tuple[dict | None, int, int] = (None, 0, 0)  # what the last part() holds
 
     def launched(self) -> None:
         """The ranks start now: an environment build before it was no part of the run."""
@@ -167,7 +164,7 @@ class Watch:
         if now - self._sampled_at < self.sample_s:
             return False
         self._sampled_at = now
-        step, at = self.metrics.last_step, datetime.now(UTC)
+        step, at = self.metrics.last_step, time.time()
         if self._gpus is not None:
             gpus = self._gpus.read()
             if not gpus:
@@ -196,21 +193,16 @@ class Watch:
                                       "message": self.idle_message})
         return self.idle_action == "fail"
 
-    def write(self, db: Session, *, node_rank: int) -> None:
-        """The pending warnings, dump and usage samples, into the shipping transaction (lifecycle.hold's: the job's
-        row lock)."""
-        for warning in self.warnings_pending:
-            records.add_warning(db, job_id=self.job_id, warning=warning)
-        if self.stacks_pending is not None:
-            records.record_stacks(db, job_id=self.job_id, attempt=self.attempt, node_rank=node_rank,
-                                  stacks=self.stacks_pending)
-        if self.samples_pending:
-            metrics_service.replace_samples(db, job_id=self.job_id, attempt=self.attempt, node_rank=node_rank,
-                                            rows=self.samples_pending)
-        self._written = (self.stacks_pending, len(self.warnings_pending), len(self.samples_pending))
+    def part(self) -> dict:
+        """The pending warnings, dump and usage samples as a batch carries them (service/runners/ship_calls.py; each
+        list cut to its bound, the rest for the next batch); they stay pending until committed()."""
+        warnings, samples = self.warnings_pending[:WARNINGS_MAX], self.samples_pending[:SAMPLES_MAX]
+        self._written = (self.stacks_pending, len(warnings), len(samples))
+        return {**({"warnings": warnings} if warnings else {}), **({"samples": samples} if samples else {}),
+                **({"stacks": self.stacks_pending} if self.stacks_pending is not None else {})}
 
     def committed(self) -> None:
-        """What the last write() added is stored: drop it (what came since stays for the next)."""
+        """What the last part() held is stored: drop it (what came since stays for the next)."""
         written, warned, sampled = self._written
         if written is not None and written is self.stacks_pending:
             self.stacks_pending = None

@@ -5,10 +5,8 @@ Revises: 0023
 Create Date: 2026-12-07 09:20:00.000000
 """
 
-import sqlalchemy as sa  # noqa: F401
-from alembic import op  # noqa: F401
-
-import service.db  # noqa: F401
+import sqlalchemy as sa
+from alembic import op
 
 revision = '0024'
 down_revision = '0023'
@@ -17,8 +15,15 @@ depends_on = None
 
 
 def upgrade() -> None:
-    pass
+    op.create_table(
+        'attempt_streams',
+        sa.Column('job_id', sa.String(32), sa.ForeignKey('jobs.id', ondelete='CASCADE'), primary_key=True),
+        sa.Column('attempt', sa.Integer(), primary_key=True),
+        sa.Column('node_rank', sa.Integer(), primary_key=True),
+        sa.Column('stream', sa.String(16), primary_key=True),
+        sa.Column('seq', sa.Integer(), nullable=False),
+    )
 
 
 def downgrade() -> None:
-    pass
+    op.drop_table('attempt_streams')

@@ -1,7 +1,7 @@
 """Write metric batches, read them back as series (whole, or thinned for a chart)."""
 
-from collections.abc import Iterable
-from datetime import datetime
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
 from itertools import groupby
 
 from sqlalchemy import delete, func, insert, select
@@ -188,3 +188,16 @@ def thin_points(db: Session, *, job_id: str, after_step: int | None, max_points:
     for entry in series:
         entry["steps"], entry["values"] = downsample(entry["steps"], entry["values"], max_points)
     return series
+
+
+def shipped_rows(points: Iterable[Sequence]) -> list[tuple[int, str, float, datetime]]:
+    """Points as a worker ships them, (step, name, value, unix time) (service/runners/ship_calls.py), as rows for
+    insert_batch. A step's points share their time: each time is converted once."""
+    times: dict[float, datetime] = {}
+    return [(step, name, value, times.get(at) or times.setdefault(at, datetime.fromtimestamp(at, UTC)))
+            for step, name, value, at in points]
+
+
+def insert_shipped(db: Session, *, job_id: str, attempt: int, points: Iterable[Sequence], node_rank: int = 0) -> int:
+    """insert_batch of points as a worker ships them (shipped_rows)."""
+    return insert_batch(db, job_id=job_id, attempt=attempt, node_rank=node_rank, rows=shipped_rows(points))
