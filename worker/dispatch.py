@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.db import UNREACHABLE
 from service.jobs import service as jobs
 from service.jobs.queue import GANG, PRIORITIES, SECURITY, kick, parse_node_task_id, refusal
+from service.runners import assign_calls  # noqa: F401 - registers the calls a DatabaseControl runs here
 from service.scheduling import placement
 from service.settings import Settings
 from service.workers import fit, holds

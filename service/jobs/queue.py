@@ -110,18 +110,18 @@ def worker_queue(redis: Redis, prefix: str, worker_id: str) -> Queue:
     return Queue(worker_queue_name(prefix, worker_id), connection=redis, serializer=JSONSerializer)
 
 
-# Move an entry from one queue to another in one step: LREM from KEYS[1], then RPUSH onto KEYS[2] only if it was
-# there (a worker or another pass took it meanwhile: nothing moves). Returns how many LREM removed.
+# Move an entry from one queue to another in one step: LREM from KEYS[1] (every copy: an entry enqueued twice moves
+# once), then RPUSH onto KEYS[2] only if it was there (gone meanwhile: nothing moves). Returns how many LREM removed.
 _HAND = """
-local n = redis.call('LREM', KEYS[1], 1, ARGV[1])
-if n == 1 then redis.call('RPUSH', KEYS[2], ARGV[1]) end
+local n = redis.call('LREM', KEYS[1], 0, ARGV[1])
+if n > 0 then redis.call('RPUSH', KEYS[2], ARGV[1]) end
 return n
 """
 def hand_to_worker(redis: Redis, *, prefix: str, job_id: str, priority: str, worker_id: str) -> bool:
     """Move a job's entry from its priority queue onto the worker's own queue (atomic); False when its priority
     queue no longer held it (taken by an earlier version's worker, dropped by a cancel, lost with Redis)."""
     return redis.eval(_HAND, 2, get_queue(redis, prefix, priority).key, worker_queue(redis, prefix, worker_id).key,
-                      job_id) == 1
+                      job_id) > 0
 
 
 def off_worker_queue(redis: Redis, *, prefix: str, job_id: str, worker_id: str) -> int:
