@@ -19,7 +19,7 @@ import pytest
 from service.settings import Settings
 from tests.helpers import free_port, live_stack, wait_for, wait_terminal
 from trainjobs.spec import IMAGES_LABEL, JobSpec
-from worker import image_box, images
+from worker import image_box, images, sandbox
 
 TOOLS = ("skopeo", "umoci", "docker-registry")
 needs_tools = pytest.mark.skipif(any(shutil.which(t) is None for t in TOOLS),
@@ -344,3 +344,60 @@ def test_a_private_image_is_pulled_with_its_owners_login_which_the_job_never_see
         assert ran["digest"].startswith("sha256:") and ran["pulled_s"] > 0 and shown["image"] == reference
         assert not any((Path(f"{data}-secrets") / "image-auth").iterdir())  # the pull's authfile is gone
         print(f"private image job: {took_s:.1f}s, pulled in {ran['pulled_s']:.1f}s; reasons shown: {reasons}")
+
+
+DRIVER_CHECK = """import os, subprocess
+lib = "/usr/local/nvidia/lib64"
+print("driver libs", sorted(os.listdir(lib)), open(lib + "/libcuda.so.1").read().strip())
+try:
+    open(lib + "/libcuda.so.1", "a")
+    print("driver writable")
+except OSError as exc:
+    print("driver read-only", type(exc).__name__)
+print("smi", subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.strip())
+print("env", os.environ.get("LD_LIBRARY_PATH"), os.environ["PATH"].split(":")[0])
+"""
+
+
+def fake_driver(folder: Path) -> Path:
+    """A driver's user-space files as ldconfig would find them (libcuda, libnvidia-ml, nvidia-smi), and one of
+    the host's other libraries, which is not the driver's."""
+    folder.mkdir()
+    (folder / "libcuda.so.550.54.15").write_text("fake libcuda\n")
+    (folder / "libcuda.so.1").symlink_to("libcuda.so.550.54.15")
+    (folder / "libnvidia-ml.so.1").write_text("fake nvml\n")
+    (folder / "libnvidia-encode.so.1").write_text("not lent\n")
+    (folder / "nvidia-smi").write_text("#!/usr/local/bin/python3\nprint('GPU 3: fake (UUID: GPU-0)')\n")
+    (folder / "nvidia-smi").chmod(0o755)
+    return folder
+
+
+@needs_tools
+@pytest.mark.skipif(os.geteuid() != 0 and shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_a_gpu_jobs_image_gets_the_hosts_driver_read_only_and_a_cpu_jobs_does_not(registry, tmp_path, monkeypatch):
+    where, _ = registry
+    monkeypatch.setenv(image_box.DRIVER_DIR_ENV, str(fake_driver(tmp_path / "driver")))
+    settings = Settings(data_dir=tmp_path / "data", image_insecure_registries=where)
+    image = images.ImageCache(settings).get(f"{where}/test/py:1")
+    support = sandbox.detect(settings)
+    job_dir = tmp_path / "storage" / "jobs" / "j1"
+    for folder in (job_dir / "checkpoints", job_dir / "artifacts", tmp_path / "run", tmp_path / "scripts"):
+        folder.mkdir(parents=True)
+    try:
+        def run(devices: tuple[str, ...]) -> str:
+            attempt = sandbox.Attempt(job_id="j1", run_dir=tmp_path / "run", job_dir=job_dir, python="python3",
+                                      data_dir=settings.data_dir, scripts_dir=tmp_path / "scripts",
+                                      devices=devices, image=image)
+            env = image_box.job_env({"LANG": "C.UTF-8"}, image, devices)
+            argv = sandbox.command(support, settings, attempt, ["python3", "-c", DRIVER_CHECK], env)
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=sandbox.LAUNCH_ENV)
+            return done.stdout + done.stderr
+
+        gpu = run(("/dev/nvidia3", "/dev/nvidiactl"))  # the job's GPU: the nodes themselves are not on this host
+        assert "driver libs ['libcuda.so.1', 'libcuda.so.550.54.15', 'libnvidia-ml.so.1'] fake libcuda" in gpu, gpu
+        assert "driver read-only" in gpu and "smi GPU 3: fake" in gpu
+        assert "env /usr/local/nvidia/lib64 /usr/local/nvidia/bin" in gpu
+        cpu = run(())
+        assert "No such file or directory: '/usr/local/nvidia/lib64'" in cpu and "fake" not in cpu
+    finally:
+        image.release()

@@ -8,6 +8,8 @@ attempt has an image; this module knows images, not namespaces. Every path the w
 
 import functools
 import os
+import re
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +18,14 @@ import trainjobs
 import worker
 from worker import images
 
+# The host's GPU driver, as the NVIDIA container toolkit lends it: its user-space libraries and nvidia-smi, read-only,
+# where NVIDIA's images look (their LD_LIBRARY_PATH and PATH name /usr/local/nvidia); only with a GPU node of the
+# job's. TRAINJOBS_GPU_DRIVER_DIR names a folder to take them from instead of ldconfig's cache (tests; a driver
+# installed where ldconfig does not look).
+DRIVER_DIR_ENV = "TRAINJOBS_GPU_DRIVER_DIR"
+DRIVER_LIBS = re.compile(r"^lib(cuda|nvidia-ml)\.so(\.[0-9.]+)?$")
+NVIDIA_LIB, NVIDIA_BIN = "/usr/local/nvidia/lib64", "/usr/local/nvidia/bin"
+GPU_NODE = re.compile(r"^/dev/nvidia[0-9]+$")
 HOST_TOOLS = "/.trainjobs-host"  # the host's setpriv and the libraries it runs on, where the image has neither
 IMAGE_OWN_MOUNTS = ("proc", "dev", "tmp", "sys")  # the sandbox's own, never the image's
 LDD_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
@@ -87,14 +97,59 @@ def image_root(rootfs: Path, points: list[str], dest: str = "/") -> list[str]:
     return args
 
 
-def job_env(env: dict[str, str], image: images.Image) -> dict[str, str]:
+def job_env(env: dict[str, str], image: images.Image, devices: tuple[str, ...] = ()) -> dict[str, str]:
     """The job's variables in its image: the image's PATH (it finds the image's python3), trainjobs' packages on
-    PYTHONPATH, and not the host's LD_LIBRARY_PATH (the image's own libraries, not the host's)."""
+    PYTHONPATH, and not the host's LD_LIBRARY_PATH (the image's own libraries, not the host's); with a GPU, the
+    lent driver's folders first on both."""
     env = {k: v for k, v in env.items() if k != "LD_LIBRARY_PATH"}
     runtime = [str(Path(p).parent) for p in runtime_paths()]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in (env.get("PYTHONPATH"), *runtime) if p))
     env["PATH"] = image.path
+    if driver_mounts(devices):  # after the image's own folders, as NVIDIA's images name it: their compat libcuda first
+        own = [p for p in image.env.get("LD_LIBRARY_PATH", "").split(":") if p]
+        env["LD_LIBRARY_PATH"] = ":".join(own if NVIDIA_LIB in own else [*own, NVIDIA_LIB])
+        env["PATH"] = f"{NVIDIA_BIN}:{image.path}"
     return env
+
+
+def driver_files() -> dict[str, str]:
+    """The host's driver files a GPU job's image gets: {its path in the image: the host's file}."""
+    folder = os.environ.get(DRIVER_DIR_ENV)
+    if folder:
+        libs = {p.name: p for p in sorted(Path(folder).iterdir()) if DRIVER_LIBS.match(p.name)}
+        smi = Path(folder) / "nvidia-smi"
+        smi = smi if smi.is_file() else None
+    else:
+        libs = _ldconfig_libs()
+        found = shutil.which("nvidia-smi", path=LDD_ENV["PATH"])
+        smi = Path(found) if found else None
+    files = {f"{NVIDIA_LIB}/{name}": str(path.resolve()) for name, path in libs.items()}
+    if smi is not None:
+        files[f"{NVIDIA_BIN}/nvidia-smi"] = str(smi.resolve())
+    return files
+
+
+def _ldconfig_libs() -> dict[str, Path]:
+    """libcuda and libnvidia-ml as the host's loader cache lists them (64-bit), by the names a program asks for."""
+    try:
+        listed = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, env=LDD_ENV, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    found = {}
+    for line in listed.splitlines():
+        name, _, rest = line.strip().partition(" (")
+        flags, _, path = rest.partition(") => ")
+        if DRIVER_LIBS.match(name) and "64" in flags and name not in found and os.path.isfile(path):
+            found[name] = Path(path)
+    return found
+
+
+def driver_mounts(devices: tuple[str, ...]) -> list[str]:
+    """The driver's files bound read-only into a job's image where the job was given a GPU node; none else (a
+    CPU job's image never sees the host's driver). The device nodes are the sandbox's own: the job's only."""
+    if not any(GPU_NODE.match(d) for d in devices):
+        return []
+    return [arg for dest, host in driver_files().items() for arg in ("--ro-bind", host, dest)]
 
 
 def check(image: images.Image, probe: Callable[[list[str]], subprocess.CompletedProcess], *, builtin: bool) -> str:

@@ -314,7 +314,7 @@ def _destinations(mounts: list[str]) -> list[str]:
 # --- spec.image (issue 44): the image's rootfs is /, the worker lends what a rank needs (worker/image_box.py) ---
 def _image_mounts(settings: Settings, attempt: Attempt, *, network: bool) -> list[str]:
     """The image as /, then what every sandbox has but its system: /proc, /dev, /tmp, /sys, the job's folders,
-    trainjobs' packages, the host's setpriv (a root worker) and the job's devices."""
+    trainjobs' packages, the host's setpriv (a root worker), the job's devices and, with a GPU, the driver."""
     mounts = [] if network else _offline_names(attempt.run_dir)
     mounts += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--tmpfs",
                "/dev/shm", *_sys_mounts()]
@@ -325,6 +325,7 @@ def _image_mounts(settings: Settings, attempt: Attempt, *, network: bool) -> lis
     for device in attempt.devices:
         if os.path.exists(device):
             mounts += ["--dev-bind", device, device]
+    mounts += image_box.driver_mounts(attempt.devices)  # the host's GPU driver, read-only: a GPU job's only
     return image_box.image_root(attempt.image.rootfs, _destinations(mounts)) + mounts
 
 
@@ -510,7 +511,7 @@ class Box:
         if not self.support.on:
             return argv, env
         if self.attempt.image is not None:  # its PATH finds its python3; its own libraries, not the host's
-            env = image_box.job_env(env, self.attempt.image)
+            env = image_box.job_env(env, self.attempt.image, self.attempt.devices)
         if not self.attempt.gang and self.support.network == "private":
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback is all there is: gloo and NCCL must bind it
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")
