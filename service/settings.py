@@ -45,6 +45,9 @@ class Settings(BaseSettings):
                                           "(`trainjobs worker-token create`), exchanged once for a credential")
     worker_credential_file: Path | None = Field(None, description="where a joined worker keeps its credential "
                                                 "(0600); default: <secrets_dir>/worker-credential-<runner>.json")
+    join_token_file: Path | None = Field(None, description="a file holding a join token (`tjj_` and 32+ characters) "
+                                         "that the API accepts from its start and a worker sends when given no "
+                                         "--join-token: how a compose file's workers join, as k3s's server token")
     token: str | None = Field(None, repr=False, description="the CLI's API token (else the admin token file)")
     # The service's own secrets (the admin token file): never inside a folder a job is handed (the data dir,
     # storage, scripts), so neither a link out of a job's folder nor a volume shared with workers reaches it.

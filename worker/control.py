@@ -66,6 +66,8 @@ class DatabaseControl:
     def call(self, name: str, body: dict) -> dict | None:
         """The protocol's call `name` run here, as the API would run it (service/runners/protocol.py): the body
         checked by its model, the handler's answer as JSON data."""
+        from service.runners import calls  # noqa: F401 - registers every call (the API's router imports it too)
+
         found = protocol.CALLS[name]
         try:
             parsed = found.body.model_validate(body)
@@ -210,11 +212,14 @@ def joined(settings: Settings, *, runner: str) -> ApiControl:
 
 
 def _join(settings: Settings, *, runner: str, path: Path) -> ApiControl:
-    if not settings.worker_join_token:
+    given = settings.join_token_file
+    token = settings.worker_join_token or (given.read_text().strip() if given and given.is_file() else None)
+    if not token:
         raise SystemExit(f"trainjobs worker: {path} holds no credential for {settings.worker_api} and no join token "
-                         "was given: ask an admin for one (trainjobs worker-token create) and pass --join-token")
+                         "was given: ask an admin for one (trainjobs worker-token create) and pass --join-token "
+                         "(or name its file: TRAINJOBS_JOIN_TOKEN_FILE)")
     response = httpx.post(f"{settings.worker_api.rstrip('/')}/v1/worker/join", json={"runner": runner},
-                          headers={"Authorization": f"Bearer {settings.worker_join_token}"}, timeout=TIMEOUT_S)
+                          headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S)
     if response.status_code != 201:
         raise SystemExit(f"trainjobs worker: joining {settings.worker_api} failed: HTTP {response.status_code}: "
                          f"{_detail(response)}")

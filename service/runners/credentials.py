@@ -56,6 +56,21 @@ def create_join_token(db: Session, *, created_by: str, expires_at: datetime | No
     return row, secret
 
 
+def ensure_join_token(db: Session, *, secret: str, created_by: str) -> JoinToken | None:
+    """A join token whose secret the operator chose (TRAINJOBS_JOIN_TOKEN_FILE: how a compose file's workers join,
+    as k3s's server token), stored as a hash once: no expiry, any number of uses. One an admin revoked stays
+    revoked. None when `secret` is no join token. The caller commits."""
+    secret = secret.strip()
+    if not secret.startswith(JOIN_PREFIX) or not 36 <= len(secret) <= 128:
+        return None
+    digest = hash_secret(secret)
+    row = db.scalar(select(JoinToken).where(JoinToken.token_hash == digest))
+    if row is None:
+        row = JoinToken(id=f"wjt_{digest[:16]}", token_hash=digest, created_by=created_by, created_at=utcnow())
+        db.add(row)
+    return row
+
+
 def join_tokens(db: Session) -> list[JoinToken]:
     return list(db.scalars(select(JoinToken).order_by(JoinToken.created_at)))
 
