@@ -7,12 +7,13 @@ import os
 import stat
 
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.images import seal
 from service.images.models import RegistryCredential
 from service.jobs import lifecycle
+from service.jobs.models import Job
 from tests.conftest import mlp_spec
 from tests.test_worker_join import as_worker, join, join_token
 from worker.control import DatabaseControl, Refused
@@ -126,6 +127,13 @@ def test_image_login_lends_the_owners_login_else_the_teams_and_never_another_use
     with pytest.raises(Refused) as missing:
         control.call("image-login", {**ref, "attempt": attempt + 1})
     assert missing.value.status == 404 and "attempt" in missing.value.detail
+    put(client, alice, username="alices-robot")
+    with control.sessions() as db:  # the job ended (failed, cancelled): its attempt is lent nothing more
+        db.execute(update(Job).where(Job.id == job_id).values(status="failed"))
+        db.commit()
+    with pytest.raises(Refused) as ended:
+        control.call("image-login", ref)
+    assert ended.value.status == 409 and "no longer holds it" in ended.value.detail
 
 
 def test_image_login_over_http_only_for_the_runner_that_runs_the_attempt(client, settings):
@@ -158,3 +166,31 @@ def test_the_digest_a_node_ran_is_recorded_once_and_shown_to_the_jobs_owner(clie
     assert client.get(f"/v1/jobs/{job_id}/image", headers=token(client, "eve")).status_code == 404  # not hers
     bad = client.post("/v1/worker/image-pulled", json={**body, "digest": "sha256:xyz"}, headers=as_worker(mine))
     assert bad.status_code == 422 and "digest" in bad.text
+
+
+def test_the_cli_logs_in_from_stdin_lists_without_the_password_and_logs_out(client, capsys, monkeypatch):
+    """`trainjobs registry login|list|logout` in this process, on the app (the parser, the SDK, the printing)."""
+    import io
+
+    from service.cli.main import build_parser
+    from trainjobs.client import Client
+
+    sdk = Client("http://testserver", token="unused")
+    sdk.http = client  # the TestClient: the app in this process, with the admin's token
+    monkeypatch.setenv("COLUMNS", "160")
+
+    def cli(*argv: str, stdin: str = "") -> tuple[int, str]:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        parsed = build_parser().parse_args(["registry", *argv])
+        code = parsed.remote(parsed, sdk)
+        captured = capsys.readouterr()
+        return code, captured.out + captured.err
+
+    code, said = cli("login", REGISTRY, "--username", "robot", "--password-stdin", stdin=PASSWORD + "\n")
+    assert code == 0 and f"login to {REGISTRY} as robot stored for user admin" in said
+    code, listed = cli("list")
+    assert code == 0 and REGISTRY in listed and "robot" in listed and PASSWORD not in listed
+    code, said = cli("logout", REGISTRY, "--json")
+    assert code == 0 and '"username": "robot"' in said
+    with pytest.raises(ValueError, match="--password-stdin"):  # no password on the command line, ever
+        cli("login", REGISTRY, "--username", "robot")

@@ -45,9 +45,9 @@ def cmd_list(args, client: Client) -> int:
 
 
 def logins_table(page: dict) -> Table:
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    table = Table("registry", "username", "for", "set by", "updated")
+    table = Table(Column("registry", no_wrap=True), "username", "for", "set by", "updated")
     for login in page["items"]:
         table.add_row(login["registry"], login["username"], f"{login['scope']} {login['owner']}", login["set_by"],
                       login["updated_at"])

@@ -6,12 +6,13 @@ job's image's registry, and only while the attempt exists.
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
-from service.errors import InvalidRequest, NotFound
+from service.errors import InvalidRequest, InvalidTransition, NotFound
 from service.images import service
 from service.jobs.models import Job
 from service.runners import protocol
 from service.runners.attempt_calls import AttemptRef  # also registers `phase`, which a pull reports through
 from service.runners.protocol import Context
+from trainjobs.states import LIVE
 
 
 class ImageLogin(BaseModel):
@@ -47,6 +48,9 @@ def image_login(db: Session, ctx: Context, body: AttemptRef) -> ImageLogin:
     """The registry login a node pulls its job's image with: the owner's own for that registry, else the owner's
     team's; none otherwise. Read only; the worker keeps it only for the pull."""
     job, image = _image_job(db, ctx, body)
+    if job.attempt != body.attempt or job.status not in LIVE:
+        raise InvalidTransition(f"attempt {body.attempt} of job {body.job_id} no longer holds it (job {job.status}, "
+                                f"attempt {job.attempt}): no login is lent for it", field="attempt")
     registry = service.registry_of(image)
     login = service.login_for(db, ctx.settings, owner=job.owner, registry=registry)
     if login is None:
