@@ -194,3 +194,17 @@ def test_the_cli_logs_in_from_stdin_lists_without_the_password_and_logs_out(clie
     assert code == 0 and '"username": "robot"' in said
     with pytest.raises(ValueError, match="--password-stdin"):  # no password on the command line, ever
         cli("login", REGISTRY, "--username", "robot")
+
+
+def test_a_pulls_progress_is_the_jobs_pending_reason_written_at_most_every_two_seconds(client, settings):
+    from worker.image_pull import SAY_EVERY_S, ForJob
+
+    job_id, attempt = claimed_image_job(client, settings, {}, f"{REGISTRY}/team/train:1")
+    control = DatabaseControl(sessionmaker(create_engine(settings.resolved_database_url)), settings)
+    pull = ForJob(control, settings, job_id=job_id, attempt=attempt)
+    reason = lambda: client.get(f"/v1/jobs/{job_id}").json()["pending_reason"]  # noqa: E731
+    pull.say("pulling image x: 0 MB of 34 MB", now=True)
+    pull.say("pulling image x: 12 MB of 34 MB")  # within SAY_EVERY_S of the last: not written
+    assert reason() == "pulling image x: 0 MB of 34 MB" and SAY_EVERY_S == 2.0
+    pull.say("unpacking image x (34 MB)", now=True)
+    assert reason() == "unpacking image x (34 MB)"
