@@ -31,7 +31,9 @@ import platform
 import re
 import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,15 +235,15 @@ class ImageCache:
             temp.mkdir()
             total = self._layer_bytes(reference, f"{name}@{digest}", manifest, job, auth) if job else None
             creds = ["--src-authfile", auth] if auth else ["--src-no-creds"]
-            self._copy(["skopeo", "copy", "--quiet", *creds, *self._tls(reference, "--src-"),
-                        f"docker://{name}@{digest}", f"oci:{temp / 'layout'}:image"], reference, job,
-                       layout=temp / "layout", total=total)
-            if job is not None:
-                job.say(f"unpacking image {reference}" + (f" ({_mb(total)} MB)" if total else ""), now=True)
+            of = f" of {_mb(total)} MB" if total else ""
+            self._watched(["skopeo", "copy", "--quiet", *creds, *self._tls(reference, "--src-"),
+                           f"docker://{name}@{digest}", f"oci:{temp / 'layout'}:image"], reference, job,
+                          lambda: f"pulling image {reference}: {_mb(_bytes_under(temp / 'layout'))} MB{of}")
             entry = temp / "entry"
             entry.mkdir()
-            self._run(["umoci", "raw", "unpack", "--rootless", "--image", f"{temp / 'layout'}:image",
-                       str(entry / "rootfs")], reference, job)
+            unpacking = f"unpacking image {reference}" + (f" ({_mb(total)} MB)" if total else "")
+            self._watched(["umoci", "raw", "unpack", "--rootless", "--image", f"{temp / 'layout'}:image",
+                           str(entry / "rootfs")], reference, job, lambda: unpacking)
             (entry / "config.json").write_text(json.dumps(image_config(temp / "layout")))
             os.chmod(entry, 0o755)
             os.chmod(entry / "rootfs", 0o755)
@@ -271,29 +273,31 @@ class ImageCache:
         except (ImageUnavailable, ValueError, KeyError, TypeError):
             return None
 
-    def _copy(self, argv: list[str], reference: str, job: "ForJob | None", *, layout: Path,
-              total: int | None) -> None:
-        """skopeo copy, its bytes so far (what its layout holds) said as the job's pending reason as it goes."""
+    def _watched(self, argv: list[str], reference: str, job: "ForJob | None", saying: Callable[[], str]) -> None:
+        """`argv` run to its end, what `saying()` says (its bytes so far) told the job as it goes: written at most
+        every SAY_EVERY_S, and the attempt's lease kept however long a large image takes. Bounded by
+        image_pull_timeout_s; its stderr in a file (a pipe left unread could fill and stall it)."""
         if job is None:
             self._run(argv, reference, None)
             return
         deadline = time.monotonic() + self.settings.image_pull_timeout_s
-        of = f" of {_mb(total)} MB" if total else ""
-        job.say(f"pulling image {reference}: 0 MB{of}", now=True)
-        with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self._env()) as proc:
-            while proc.poll() is None:
-                if time.monotonic() > deadline:
-                    proc.kill()
-                    proc.wait()
-                    raise ImageUnavailable(f"image {reference}: skopeo took more than image_pull_timeout_s="
-                                           f"{self.settings.image_pull_timeout_s:g}s")
+        job.say(saying(), now=True)
+        with tempfile.TemporaryFile() as errors, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errors,
+                                                                  env=self._env()) as proc:
+            while True:
                 try:
                     proc.wait(PROGRESS_POLL_S)
+                    break
                 except subprocess.TimeoutExpired:
-                    job.say(f"pulling image {reference}: {_mb(_bytes_under(layout))} MB{of}")
-            stderr = proc.stderr.read()
-        if proc.returncode != 0:
-            raise self._failed(argv, reference, job, stderr)
+                    if time.monotonic() > deadline:
+                        proc.kill()
+                        proc.wait()
+                        raise ImageUnavailable(f"image {reference}: {argv[0]} took more than image_pull_timeout_s="
+                                               f"{self.settings.image_pull_timeout_s:g}s") from None
+                    job.say(saying())
+            if proc.returncode != 0:
+                errors.seek(0)
+                raise self._failed(argv, reference, job, errors.read())
 
     def _env(self) -> dict[str, str]:
         return {"PATH": os.environ.get("PATH", DEFAULT_PATH), "HOME": str(self.root)}
