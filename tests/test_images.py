@@ -401,3 +401,44 @@ def test_a_gpu_jobs_image_gets_the_hosts_driver_read_only_and_a_cpu_jobs_does_no
         assert "No such file or directory: '/usr/local/nvidia/lib64'" in cpu and "fake" not in cpu
     finally:
         image.release()
+
+
+@needs_tools
+def test_a_joined_worker_pulls_a_private_image_with_the_login_the_api_lends(private_registry, postgres_url,
+                                                                           tmp_path):
+    """The same pull through the worker protocol over HTTP (a machine with its own credential, no database):
+    the API decrypts the owner's login and lends it to the runner of the attempt; the pull's phase and digest go
+    back the same way."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from service.jobs import lifecycle
+    from tests.test_worker_join import join, join_token
+    from worker.control import ApiControl
+    from worker.image_pull import ForJob
+
+    where, _, password = private_registry
+    reference = f"{where}/private/py:1"
+    with live_stack(postgres_url, tmp_path / "api", name="joined-pull", workers=0) as stack, \
+            stack.client(timeout=10) as api:
+        credential = join(api, join_token(api), "gpu-9").json()["credential"]
+        alice = user(api, "alice")
+        api.put(f"/v1/registry-credentials/{where}", json={"username": "robot", "password": password}, headers=alice)
+        job_id = api.post("/v1/jobs", json=entry(reference) | {"max_retries": 0}, headers=alice).json()["id"]
+        engine = create_engine(postgres_url)
+        with Session(engine) as db:
+            attempt, _ = lifecycle.claim(db, job_id=job_id, worker="gpu-9-1", lease_s=60)
+            db.commit()
+        engine.dispose()
+        settings = Settings(data_dir=tmp_path / "worker", image_insecure_registries=where)
+        pull = ForJob(ApiControl(stack.api_url, credential), settings, job_id=job_id, attempt=attempt)
+        image = images.ImageCache(settings).get(reference, pull)
+        try:
+            assert (image.rootfs / "image-marker").read_text() == "only in the image\n"
+            assert pull.login["whose"] == "user alice" and not any((settings.resolved_secrets_dir / "image-auth")
+                                                                   .iterdir())
+            [ran] = api.get(f"/v1/jobs/{job_id}/image", headers=alice).json()["resolved"]
+            assert ran["digest"] == image.digest and ran["pulled_s"] > 0
+            assert api.get(f"/v1/jobs/{job_id}").json()["pending_reason"].startswith(f"unpacking image {reference}")
+        finally:
+            image.release()
