@@ -61,10 +61,12 @@ class Open:
 
 
 def open_assignments(db: Session) -> list[Open]:
-    rows = db.execute(select(Assignment, Job.status, Job.attempt, Job.priority)
-                      .outerjoin(Job, Job.id == Assignment.job_id)).all()
-    return [Open(a.job_id, a.node_rank, a.worker_id, tuple(a.devices) if a.devices is not None else None, a.attempt,
-                 a.pass_no, a.assigned_at, status, job_attempt, priority) for a, status, job_attempt, priority in rows]
+    a = Assignment
+    rows = db.execute(select(a.job_id, a.node_rank, a.worker_id, a.devices, a.attempt, a.pass_no, a.assigned_at,
+                             Job.status, Job.attempt, Job.priority).outerjoin(Job, Job.id == a.job_id)).all()
+    return [Open(job, node, worker, tuple(devices) if devices is not None else None, attempt, number, at, status,
+                 job_attempt, priority)
+            for job, node, worker, devices, attempt, number, at, status, job_attempt, priority in rows]
 
 
 def verdict(row: Open, *, number: int, live: Collection[str], on_priority_queue: Collection[str], now: datetime,
@@ -138,22 +140,29 @@ def pick(machine: placement.Machine, free: set[int], need: int, job_id: str, kep
 
 
 class _Devices:
-    """Each worker's machine (from its row: devices, links, health) and its devices free as this pass hands them
-    out, read once a pass."""
+    """Each worker's machine (devices, links, health) and its devices free as this pass hands them out: a shared
+    worker's from the snapshot (Node.machine, free_devices), any other's read from its row and its holds."""
 
     def __init__(self, db: Session, plan: policy.Plan, snap: policy.Snapshot, worker_ids: Collection[str]):
         self.plan, self.snap = plan, snap
-        self.rows = {w.id: w for w in db.execute(select(Worker.id, Worker.device, Worker.devices)
-                                                 .where(Worker.id.in_(list(worker_ids))))} if worker_ids else {}
-        self.held = {w: set(d) for w, d in holds.all_held(db).items()} if worker_ids else {}
-        self.machines: dict[str, placement.Machine | None] = {}
         self.waiting = {w.id: w for w in snap.waiting}
-
-    def machine(self, worker_id: str) -> placement.Machine | None:
-        if worker_id not in self.machines:
-            row = self.rows.get(worker_id)
-            self.machines[worker_id] = scheduling.machine_of(worker_id, row.device, row.devices) if row else None
-        return self.machines[worker_id]
+        self.machines: dict[str, placement.Machine | None] = {}
+        self.free: dict[str, set[int]] = {}
+        nodes = {n.id: n for n in snap.nodes}
+        rest = []
+        for w in worker_ids:
+            node = nodes.get(w)
+            if node is not None and node.machine is not None and node.free_devices is not None:
+                self.machines[w], self.free[w] = node.machine, set(node.free_devices)
+            else:
+                rest.append(w)
+        if rest:
+            held = holds.held_on(db, worker_ids=rest)
+            for w, kind, rows in db.execute(select(Worker.id, Worker.device, Worker.devices)
+                                            .where(Worker.id.in_(rest))):
+                machine = self.machines[w] = scheduling.machine_of(w, kind, rows)
+                if machine is not None:
+                    self.free[w] = {d.index for d in machine.devices if d.healthy} - set(held.get(w, {}))
 
     def let(self, worker_id: str, job: policy.Waiting) -> dict[str, set[int]]:
         here = [r for r in self.plan.reservations if worker_id in r.devices and r.job_id != job.id
@@ -163,16 +172,15 @@ class _Devices:
     def take(self, worker_id: str, job: policy.Waiting) -> tuple[int, ...] | None | bool:
         """Its devices on this worker, marked used for the rest of the pass; None: the whole worker (its devices
         unknown); False: too few free now (it waits for a later pass)."""
-        machine = self.machine(worker_id)
+        machine = self.machines.get(worker_id)
         if machine is None:
             return None
-        used = self.held.setdefault(worker_id, set())
-        free = {d.index for d in machine.devices if d.healthy} - used
+        free = self.free[worker_id]
         chosen = pick(machine, free, job.need.slots, job.id, self.plan.kept.get(worker_id, {}),
                       self.let(worker_id, job))
         if chosen is None:
             return False
-        used.update(chosen)
+        free.difference_update(chosen)
         return tuple(chosen)
 
 

@@ -83,12 +83,13 @@ def held(db: Session, *, worker_id: str) -> dict[int, tuple[str, int]]:
 
 
 def all_held(db: Session) -> dict[str, dict[int, tuple[str, int]]]:
-    """Every worker's live holds: worker -> device -> (job id, node rank)."""
-    now = utcnow()
+    """Every worker's live holds: worker -> device -> (job id, node rank). Filtered in SQL and read as columns:
+    the scheduler's pass reads the pool's (8,000 holds at 1,000 workers: 0.5 s as ORM objects, bench/assign_pass.py)."""
     out: dict[str, dict[int, tuple[str, int]]] = defaultdict(dict)
-    for h, status in _rows(db, None):
-        if _live(h, status, now):
-            out[h.worker_id][h.device] = (h.job_id, h.node_rank)
+    query = (select(Hold.worker_id, Hold.device, Hold.job_id, Hold.node_rank).select_from(joined())
+             .where(live_clause(utcnow())))
+    for worker, device, job, node in db.execute(query):
+        out[worker][device] = (job, node)
     return out
 
 
