@@ -17,7 +17,10 @@ from tests.api_restart import restart_api
 from tests.conftest import mlp_spec
 from tests.helpers import live_stack, wait_for, wait_terminal
 from tests.test_worker_join import as_worker, join, join_token
-from worker.control import DatabaseControl, Refused
+from trainjobs.spec import JobSpec
+from worker.attempt.ship import Shipped
+from worker.control import DatabaseControl, Refused, Unreachable
+from worker.supervisor import Supervisor
 
 
 @pytest.fixture
@@ -63,6 +66,53 @@ def test_a_batch_sent_again_is_acknowledged_and_its_lines_and_points_stored_once
     # What a supervisor starting on this attempt again would start from.
     assert control.call("open", ref) == {"log_bytes": 21, "log_seq": 3, "metric_names": ["loss"], "metric_points": 3,
                                          "seq": 2, "event_seq": 0}
+
+
+class LosesAnswers:
+    """The control plane, with the answers to the next `lose` ships lost on their way back: applied, then
+    Unreachable to the worker, as when the API is cut off (or killed) after its commit."""
+
+    def __init__(self, control: DatabaseControl):
+        self.control, self.lose, self.sent = control, 0, []
+
+    def call(self, name: str, body: dict) -> dict | None:
+        answer = self.control.call(name, body)
+        if name == "ship":
+            self.sent.append((body["seq"], body.get("log", {}).get("text")))
+            if self.lose:
+                self.lose -= 1
+                raise Unreachable("the answer was lost")
+        return answer
+
+
+class Output:
+    def __init__(self):
+        self.data = b""
+
+    def take(self) -> bytes:
+        data, self.data = self.data, b""
+        return data
+
+
+def test_a_supervisor_sends_a_batch_whose_answer_was_lost_again_as_it_was_and_it_is_stored_once(
+        client, settings, attempt, tmp_path):
+    ref, job_id = attempt["ref"], attempt["ref"]["job_id"]
+    control = LosesAnswers(attempt["control"])
+    sup = Supervisor(sessions=sessionmaker(attempt["engine"]), settings=settings, job_id=job_id,
+                     attempt=ref["attempt"], spec=JobSpec.model_validate(mlp_spec()), run_dir=tmp_path,
+                     control=control)
+    sup.shipper.open(max_bytes=1 << 20)
+    (tmp_path / "metrics.jsonl").write_text(f'{{"type": "metrics", "step": 1, "time": {time.time()}, '
+                                            f'"metrics": {{"loss": 0.5}}}}\n')
+    output, control.lose = Output(), 1
+    output.data = b"hello\n"
+    assert sup._ship(output) is Shipped.UNREACHABLE  # stored, but the worker cannot know
+    output.data = b"world\n"  # staged meanwhile: it waits for the next batch
+    assert sup._ship(output) is Shipped.STORED  # the same batch again: acknowledged, not applied twice
+    assert sup._ship(output) is Shipped.STORED  # then the next
+    assert control.sent == [(1, "hello\n"), (1, "hello\n"), (2, "world\n")]
+    assert client.get(f"/v1/jobs/{job_id}/logs").text == "hello\nworld\n"
+    assert points_of(client, job_id) == {("loss", 1): 1}
 
 
 def test_an_event_sent_twice_is_stored_once(client, attempt):
