@@ -98,8 +98,8 @@ def test_a_real_training_rank_loads_no_sqlalchemy_and_no_control_plane(tmp_path,
 # under all the domains' logic, so any module may read any table; and every `router.py` sits above all of it,
 # below the app (`api/`), which assembles the routers. The bottom modules (`deps.py` among them) import no domain.
 ORDER = ["errors", "redis_auth", "settings", "db", "lists", "deps", "undumpable", "jobfiles", "storage",  # bottom
-         "auth", "packages", "webhooks", "logs", "workers", "runners", "scheduling", "jobs", "metrics",  # domains
-         "sweeps", "artifacts", "dashboard",
+         "auth", "packages", "webhooks", "logs", "workers", "scheduling", "jobs", "metrics",  # domains
+         "runners", "images", "sweeps", "artifacts", "dashboard",  # (the worker protocol's calls use those below)
          "models", "migrate", "api", "cli"]  # every table for Alembic; the schema's upgrades; the processes
 DOMAINS = ORDER[ORDER.index("auth"):ORDER.index("models")]
 

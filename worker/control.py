@@ -66,7 +66,8 @@ class DatabaseControl:
     def call(self, name: str, body: dict) -> dict | None:
         """The protocol's call `name` run here, as the API would run it (service/runners/protocol.py): the body
         checked by its model, the handler's answer as JSON data."""
-        from service.runners import calls  # noqa: F401 - registers every call (the API's router imports it too)
+        from service.images import calls as image_calls  # noqa: F401 - the calls of a domain above runners
+        from service.runners import calls  # noqa: F401 - registers the runners' calls (the API's router does too)
 
         found = protocol.CALLS[name]
         try:
