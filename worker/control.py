@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -29,6 +30,7 @@ from service.workers import service as workers
 log = logging.getLogger(__name__)
 TIMEOUT_S = 10.0
 CREDENTIAL_FILE_ENV = "TRAINJOBS_WORKER_CREDENTIAL_FILE"
+JOIN_WAIT_S = 300.0  # how long a starting worker waits for its API to answer before it gives up
 
 
 class Revoked(Exception):
@@ -153,6 +155,25 @@ class ApiControl:
         response.raise_for_status()
 
 
+def _post_when_up(url: str, *, json: dict, headers: dict, wait_s: float = JOIN_WAIT_S) -> httpx.Response:
+    """POST once the API answers: a machine may start before its API (a reboot of both, a compose file's order);
+    it waits, as a kubelet does for its API server, and gives up after `wait_s`."""
+    deadline, delay = time.monotonic() + wait_s, 0.5
+    while True:
+        try:
+            response = httpx.post(url, json=json, headers=headers, timeout=TIMEOUT_S)
+            if response.status_code < 500:
+                return response
+            why = f"HTTP {response.status_code}"
+        except httpx.TransportError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() + delay > deadline:
+            raise SystemExit(f"trainjobs worker: {url} did not answer for {wait_s:.0f}s ({why})")
+        log.warning("the API is not answering yet (%s); trying again in %.1fs", why, delay)
+        time.sleep(delay)
+        delay = min(10.0, delay * 2)
+
+
 def _detail(response: httpx.Response) -> str:
     try:
         return str(response.json().get("detail", response.text))
@@ -219,8 +240,8 @@ def _join(settings: Settings, *, runner: str, path: Path) -> ApiControl:
         raise SystemExit(f"trainjobs worker: {path} holds no credential for {settings.worker_api} and no join token "
                          "was given: ask an admin for one (trainjobs worker-token create) and pass --join-token "
                          "(or name its file: TRAINJOBS_JOIN_TOKEN_FILE)")
-    response = httpx.post(f"{settings.worker_api.rstrip('/')}/v1/worker/join", json={"runner": runner},
-                          headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S)
+    response = _post_when_up(f"{settings.worker_api.rstrip('/')}/v1/worker/join", json={"runner": runner},
+                             headers={"Authorization": f"Bearer {token}"})
     if response.status_code != 201:
         raise SystemExit(f"trainjobs worker: joining {settings.worker_api} failed: HTTP {response.status_code}: "
                          f"{_detail(response)}")
