@@ -10,6 +10,7 @@ from tests.conftest import mlp_spec
 from trainjobs.spec import JobSpec
 from trainjobs.states import JobStatus
 from worker import agent
+from worker.control import DatabaseControl
 from worker.supervisor import Outcome
 
 
@@ -20,12 +21,15 @@ def new_job(sessions) -> str:
         return job.id
 
 
-def test_second_claim_of_the_same_job_gets_nothing(settings):
+def test_second_claim_of_the_same_job_by_another_worker_gets_nothing(settings, monkeypatch):
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
+    control = DatabaseControl(sessions, settings)
     job_id = new_job(sessions)
-    first = agent.claim(sessions, settings=settings, job_id=job_id)
-    second = agent.claim(sessions, settings=settings, job_id=job_id)
+    monkeypatch.setenv("TRAINJOBS_WORKER_NAME", "w1")
+    first = agent.claim(control, job_id=job_id)
+    monkeypatch.setenv("TRAINJOBS_WORKER_NAME", "w2")
+    second = agent.claim(control, job_id=job_id)
     assert first is not None and first[0] == 1 and second is None
     with sessions() as db:
         job = db.get(Job, job_id)
@@ -38,11 +42,12 @@ def test_second_claim_of_the_same_job_gets_nothing(settings):
 def test_claim_of_a_job_cancelled_in_the_race_cancels_it(settings):
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
+    control = DatabaseControl(sessions, settings)
     job_id = new_job(sessions)
     with sessions() as db:  # a cancel that lost its own race with... nothing: flag set, still queued
         db.get(Job, job_id).cancel_requested_at = jobs.utcnow()
         db.commit()
-    assert agent.claim(sessions, settings=settings, job_id=job_id) is None
+    assert agent.claim(control, job_id=job_id) is None
     with sessions() as db:
         assert db.get(Job, job_id).status == JobStatus.CANCELLED
     engine.dispose()
@@ -52,15 +57,16 @@ def test_outcome_of_a_stale_attempt_is_not_recorded(settings):
     """Fencing: an attempt that no longer holds the job cannot write its status."""
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
+    control = DatabaseControl(sessions, settings)
     job_id = new_job(sessions)
-    agent.claim(sessions, settings=settings, job_id=job_id)
+    agent.claim(control, job_id=job_id)
     with sessions() as db:
         assert lifecycle.transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=1)
         db.commit()
-    agent.record(sessions, job_id=job_id, attempt=7, outcome=Outcome(JobStatus.SUCCEEDED, 0, summary={}))
+    agent.record(control, job_id=job_id, attempt=7, outcome=Outcome(JobStatus.SUCCEEDED, 0, summary={}))
     with sessions() as db:
         assert db.get(Job, job_id).status == JobStatus.RUNNING
-    agent.record(sessions, job_id=job_id, attempt=1, outcome=Outcome(JobStatus.SUCCEEDED, 0, summary={"x": 1}))
+    agent.record(control, job_id=job_id, attempt=1, outcome=Outcome(JobStatus.SUCCEEDED, 0, summary={"x": 1}))
     with sessions() as db:
         job = db.get(Job, job_id)
         assert job.status == JobStatus.SUCCEEDED and job.summary == {"x": 1} and job.finished_at is not None
@@ -87,6 +93,7 @@ def test_a_claim_that_would_put_a_team_over_its_quota_leaves_the_job_queued_and_
 
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
+    control = DatabaseControl(sessions, settings)
     with sessions() as db:
         db.add(Team(name="vision", weight=1.0, max_slots=2))
         db.add(User(name="vera", team="vision"))
@@ -94,8 +101,8 @@ def test_a_claim_that_would_put_a_team_over_its_quota_leaves_the_job_queued_and_
         first = jobs.create(db, spec=JobSpec.model_validate(mlp_spec()), owner="vera").id  # 2 slots
         second = jobs.create(db, spec=JobSpec.model_validate(mlp_spec()), owner="vic").id
         db.commit()
-    assert agent.claim(sessions, settings=settings, job_id=first) is not None
-    assert agent.claim(sessions, settings=settings, job_id=second) is None  # 2 + 2 > 2: not now
+    assert agent.claim(control, job_id=first) is not None
+    assert agent.claim(control, job_id=second) is None  # 2 + 2 > 2: not now
     with sessions() as db:
         assert db.get(Job, second).status == JobStatus.QUEUED
     waiting = [i.decode() for i in redis.lrange(queue.get_queue(redis, settings.queue_prefix, "normal").key, 0, -1)]
@@ -104,5 +111,5 @@ def test_a_claim_that_would_put_a_team_over_its_quota_leaves_the_job_queued_and_
         lifecycle.transition(db, job_id=first, to=JobStatus.RUNNING)
         lifecycle.transition(db, job_id=first, to=JobStatus.SUCCEEDED)
         db.commit()
-    assert agent.claim(sessions, settings=settings, job_id=second) is not None
+    assert agent.claim(control, job_id=second) is not None
     engine.dispose()

@@ -14,6 +14,7 @@ from tests.conftest import mlp_spec
 from trainjobs.spec import JobSpec
 from trainjobs.states import JobStatus
 from worker import agent, gang
+from worker.control import DatabaseControl
 from worker.inventory import Offer
 
 OFFER = Offer(id="w", host="h", address="127.0.0.1", device="cpu", slots=1, memory_bytes=2**34,
@@ -34,7 +35,7 @@ def claimed_gang(sessions, settings, monkeypatch, *, worker: str = "w0", nnodes:
             resources={"nnodes": nnodes, "nproc_per_node": 1, "device": "cpu"})))
         db.commit()
     monkeypatch.setenv("TRAINJOBS_WORKER_NAME", worker)
-    assert agent.claim(sessions, settings=settings, job_id=job.id)[0] == 1
+    assert agent.claim(DatabaseControl(sessions, settings), job_id=job.id)[0] == 1
     return job.id
 
 
@@ -49,8 +50,9 @@ def look(sessions, settings, job_id: str, node_rank: int = 0) -> tuple[str | Non
 def test_a_gang_forms_once_every_node_joined_and_node_0_records_the_endpoint(sessions, settings, monkeypatch):
     job_id = claimed_gang(sessions, settings, monkeypatch)
     assert look(sessions, settings, job_id) == (None, "waiting")
-    assert gang.join(sessions, settings=settings, job_id=job_id, attempt=1, node_rank=1, worker="w1") is not None
-    assert gang.join(sessions, settings=settings, job_id=job_id, attempt=1, node_rank=1, worker="w2") is None
+    control = DatabaseControl(sessions, settings)
+    assert gang.join(control, job_id=job_id, attempt=1, node_rank=1, worker="w1") is not None
+    assert gang.join(control, job_id=job_id, attempt=1, node_rank=1, worker="w2") is None
     assert look(sessions, settings, job_id, node_rank=1) == (None, "waiting")  # only node 0 forms it
     endpoint, why = look(sessions, settings, job_id)
     assert why == "formed" and endpoint.startswith("127.0.0.1:") and int(endpoint.rsplit(":", 1)[1]) > 0
@@ -60,12 +62,12 @@ def test_a_gang_forms_once_every_node_joined_and_node_0_records_the_endpoint(ses
         nodes = db.execute(select(Attempt.node_rank, Attempt.worker).where(Attempt.job_id == job_id)).all()
     assert sorted(nodes) == [(0, "w0"), (1, "w1")]
     # a node task of an attempt gone by is skipped
-    assert gang.join(sessions, settings=settings, job_id=job_id, attempt=1, node_rank=2, worker="w3") is None
+    assert gang.join(control, job_id=job_id, attempt=1, node_rank=2, worker="w3") is None
 
 
 def test_a_gang_not_formed_in_time_releases_its_nodes_and_is_queued_again(sessions, settings, monkeypatch):
     job_id = claimed_gang(sessions, settings, monkeypatch, nnodes=3)
-    gang.join(sessions, settings=settings, job_id=job_id, attempt=1, node_rank=1, worker="w1")
+    gang.join(DatabaseControl(sessions, settings), job_id=job_id, attempt=1, node_rank=1, worker="w1")
     with sessions() as db:
         db.execute(update(Job).where(Job.id == job_id).values(
             started_at=utcnow() - timedelta(seconds=settings.gang_timeout_s + 1)))
@@ -93,7 +95,7 @@ def test_a_younger_half_formed_gang_yields_to_an_older_one(sessions, settings, m
 
 def test_a_cancel_while_forming_cancels_every_node(sessions, settings, monkeypatch):
     job_id = claimed_gang(sessions, settings, monkeypatch)
-    gang.join(sessions, settings=settings, job_id=job_id, attempt=1, node_rank=1, worker="w1")
+    gang.join(DatabaseControl(sessions, settings), job_id=job_id, attempt=1, node_rank=1, worker="w1")
     with sessions() as db:
         lifecycle.request_cancel(db, job_id=job_id)
     assert look(sessions, settings, job_id, node_rank=1) == (None, "cancelled")
@@ -104,8 +106,8 @@ def test_a_cancel_while_forming_cancels_every_node(sessions, settings, monkeypat
 
 def test_a_worker_shutting_down_while_its_gang_forms_lets_the_gang_go(sessions, settings, monkeypatch):
     job_id = claimed_gang(sessions, settings, monkeypatch)
-    got = gang.wait_formed(sessions, settings=settings, job_id=job_id, attempt=1, node_rank=0, offer=OFFER,
-                           address="127.0.0.1", stopping=lambda: True)
+    got = gang.wait_formed(DatabaseControl(sessions, settings), settings=settings, job_id=job_id, attempt=1,
+                           node_rank=0, offer=OFFER, address="127.0.0.1", stopping=lambda: True)
     assert got == (None, "preempted")
     with sessions() as db:
         job = db.get(Job, job_id)

@@ -13,6 +13,7 @@ from tests.conftest import QUEUE_PREFIX, mlp_spec
 from trainjobs.spec import JobSpec
 from trainjobs.states import JobStatus
 from worker import agent
+from worker.control import DatabaseControl
 from worker.supervisor import Outcome
 
 
@@ -32,11 +33,16 @@ def running_job(sessions, settings, max_retries=1) -> str:
 
 
 def claim(sessions, settings, job_id) -> int:
-    attempt, _ = agent.claim(sessions, settings=settings, job_id=job_id)
+    attempt, _ = agent.claim(DatabaseControl(sessions, settings), job_id=job_id)
     with sessions() as db:
         assert lifecycle.transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=attempt)
         db.commit()
     return attempt
+
+
+def record(sessions, settings, **outcome) -> None:
+    """The worker's record of an attempt's end, as a database worker sends it (the protocol's `outcome`)."""
+    agent.record(DatabaseControl(sessions, settings), **outcome)
 
 
 def job_and_attempts(sessions, job_id):
@@ -62,20 +68,20 @@ def test_user_errors_are_final_and_infrastructure_errors_retried():
 def test_a_failure_with_retries_left_requeues_after_a_backoff_then_fails_when_spent(sessions, settings, redis):
     job_id = running_job(sessions, settings, max_retries=1)
     crash = {"type": "process_exit", "message": "rank 1 got SIGKILL", "rank": 1}
-    agent.record(sessions, job_id=job_id, attempt=1, outcome=Outcome(JobStatus.FAILED, -9, error=crash))
+    record(sessions, settings, job_id=job_id, attempt=1, outcome=Outcome(JobStatus.FAILED, -9, error=crash))
     job, attempts = job_and_attempts(sessions, job_id)
     assert job.status == JobStatus.QUEUED and job.not_before > utcnow()
     assert [a.status for a in attempts] == ["failed"] and attempts[0].exit_code == -9
     with sessions() as db:  # the backoff holds it back from the queue, and from a worker
         assert queue.reconcile(db, redis, prefix=QUEUE_PREFIX, min_age_s=0) == []
-        assert agent.claim(sessions, settings=settings, job_id=job_id) is None
+        assert agent.claim(DatabaseControl(sessions, settings), job_id=job_id) is None
         db.execute(update(Job).where(Job.id == job_id).values(not_before=utcnow() - timedelta(seconds=1)))
         db.commit()
         assert queue.reconcile(db, redis, prefix=QUEUE_PREFIX, min_age_s=None) == [job_id]
 
     assert claim(sessions, settings, job_id) == 2
     other = {"type": "process_exit", "message": "rank 0 got SIGKILL", "rank": 0}
-    agent.record(sessions, job_id=job_id, attempt=2, outcome=Outcome(JobStatus.FAILED, -9, error=other))
+    record(sessions, settings, job_id=job_id, attempt=2, outcome=Outcome(JobStatus.FAILED, -9, error=other))
     job, attempts = job_and_attempts(sessions, job_id)
     assert job.status == JobStatus.FAILED  # max_retries 1: two failures is the end
     assert [c["message"] for c in job.error["attempts"]] == ["rank 1 got SIGKILL", "rank 0 got SIGKILL"]
@@ -83,13 +89,13 @@ def test_a_failure_with_retries_left_requeues_after_a_backoff_then_fails_when_sp
 
 def test_a_job_handed_back_on_shutdown_spends_no_retry(sessions, settings):
     job_id = running_job(sessions, settings, max_retries=0)
-    agent.record(sessions, job_id=job_id, attempt=1,
-                 outcome=Outcome(JobStatus.QUEUED, 0, detail="preempted by worker shutdown at step 7"))
+    record(sessions, settings, job_id=job_id, attempt=1,
+           outcome=Outcome(JobStatus.QUEUED, 0, detail="preempted by worker shutdown at step 7"))
     job, attempts = job_and_attempts(sessions, job_id)
     assert job.status == JobStatus.QUEUED and [a.status for a in attempts] == ["preempted"]
     claim(sessions, settings, job_id)
     crash = {"type": "process_exit", "message": "rank 0 got SIGKILL"}
-    agent.record(sessions, job_id=job_id, attempt=2, outcome=Outcome(JobStatus.FAILED, -9, error=crash))
+    record(sessions, settings, job_id=job_id, attempt=2, outcome=Outcome(JobStatus.FAILED, -9, error=crash))
     assert job_and_attempts(sessions, job_id)[0].status == JobStatus.FAILED  # max_retries 0
 
 
@@ -107,7 +113,7 @@ def test_an_expired_lease_loses_the_attempt_and_fences_the_old_worker(sessions, 
 
     assert claim(sessions, settings, job_id) == 2
     # The old worker wakes up and reports success: fenced, nothing changes.
-    agent.record(sessions, job_id=job_id, attempt=1, outcome=Outcome(JobStatus.SUCCEEDED, 0, summary={"x": 1}))
+    record(sessions, settings, job_id=job_id, attempt=1, outcome=Outcome(JobStatus.SUCCEEDED, 0, summary={"x": 1}))
     job, attempts = job_and_attempts(sessions, job_id)
     assert job.status == JobStatus.RUNNING and job.attempt == 2 and job.summary is None
     assert [a.status for a in attempts] == ["lost", "active"]
@@ -118,8 +124,8 @@ def test_attempts_are_listed_oldest_first(client, settings):
     engine = make_engine(settings.database_url)
     sessions = make_sessionmaker(engine)
     claim(sessions, settings, job_id)
-    agent.record(sessions, job_id=job_id, attempt=1,
-                 outcome=Outcome(JobStatus.FAILED, 1, error={"type": "process_exit", "message": "x"}))
+    record(sessions, settings, job_id=job_id, attempt=1,
+           outcome=Outcome(JobStatus.FAILED, 1, error={"type": "process_exit", "message": "x"}))
     engine.dispose()
     body = client.get(f"/v1/jobs/{job_id}/attempts").json()
     assert body["count"] == 1

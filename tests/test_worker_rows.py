@@ -17,6 +17,7 @@ from tests.helpers import wait_for
 from trainjobs.spec import JobSpec
 from trainjobs.states import JobStatus
 from worker import agent, gang, inventory
+from worker.control import DatabaseControl
 
 
 def test_trainjobs_worker_takes_slots_device_and_labels():
@@ -76,8 +77,8 @@ def test_a_member_lost_while_its_gang_forms_releases_the_gang_without_spending_a
             resources={"nnodes": 2, "nproc_per_node": 1, "device": "cpu"}, max_retries=0)))
         db.commit()
     monkeypatch.setenv("TRAINJOBS_WORKER_NAME", "w0")
-    agent.claim(sessions, settings=settings, job_id=job.id)
-    gang.join(sessions, settings=settings, job_id=job.id, attempt=1, node_rank=1, worker="w1")
+    agent.claim(DatabaseControl(sessions, settings), job_id=job.id)
+    gang.join(DatabaseControl(sessions, settings), job_id=job.id, attempt=1, node_rank=1, worker="w1")
     with sessions() as db:
         expired = utcnow() - timedelta(seconds=1)  # node 1's worker died while the gang waited
         db.execute(update(Attempt).where(Attempt.node_rank == 1).values(lease_expires_at=expired))

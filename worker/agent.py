@@ -7,19 +7,14 @@ import socket
 import time
 from pathlib import Path
 
-from redis import Redis
-from redis.exceptions import RedisError
-
 from service.db import UNREACHABLE, is_refusal, make_engine, make_sessionmaker
-from service.jobs import lifecycle, queue
-from service.scheduling import quota
 from service.settings import Settings, get_settings
-from service.workers import holds
-from service.workers import service as workers
 from trainjobs.runenv import SPEC_FILE
 from trainjobs.spec import JobSpec
-from trainjobs.states import AttemptStatus, ErrorType, JobStatus
-from worker import control, devices, gang
+from trainjobs.states import JobStatus
+from worker import control as worker_control
+from worker import devices, gang
+from worker.control import Control
 from worker.inventory import Offer, probe
 from worker.launch import Gang
 from worker.root_cause import is_peer_error
@@ -51,24 +46,19 @@ def run_job(job_id: str) -> dict:
     settings = get_settings()
     engine = make_engine(settings.resolved_database_url, application_name=worker_name())
     sessions = make_sessionmaker(engine)
+    control = worker_control.for_worker(settings, sessions)  # the protocol's calls: the API, or in-process
     try:
         if _preempt_requests:  # shutting down before it began: the job stays queued (the sweeper enqueues it)
             return {"job_id": job_id, "skipped": True}
-        claimed = with_retries(lambda: claim(sessions, settings=settings, job_id=job_id), what="claim")
+        claimed = with_retries(lambda: claim(control, job_id=job_id), what="claim")
         if claimed is None:
-            with_retries(lambda: free_worker(sessions, job_id=job_id, node_rank=0), what="free the worker")
+            with_retries(lambda: free_worker(control, job_id=job_id, node_rank=0), what="free the worker")
             return {"job_id": job_id, "skipped": True}
         attempt, spec = claimed
-        if spec.resources.nnodes > 1:
-            redis = Redis.from_url(settings.redis_url)
-            try:
-                queue.enqueue_nodes(redis, prefix=settings.queue_prefix, job_id=job_id, attempt=attempt,
-                                    nnodes=spec.resources.nnodes, timeout_s=spec.timeout_s)
-            except RedisError:  # the gang then times out and goes back to the queue
-                log.exception("could not enqueue the node tasks of job %s", job_id)
-            finally:
-                redis.close()
-        return run_attempt(sessions, settings=settings, job_id=job_id, attempt=attempt, spec=spec, node_rank=0)
+        return run_attempt(sessions, control, settings=settings, job_id=job_id, attempt=attempt, spec=spec,
+                           node_rank=0)
+    except worker_control.Revoked as exc:
+        return revoked(job_id, exc)
     finally:
         engine.dispose()
 
@@ -78,21 +68,31 @@ def run_node(job_id: str, attempt: int, node_rank: int) -> dict:
     settings = get_settings()
     engine = make_engine(settings.resolved_database_url, application_name=worker_name())
     sessions = make_sessionmaker(engine)
+    control = worker_control.for_worker(settings, sessions)
     try:
         if _preempt_requests:
             return {"job_id": job_id, "skipped": True}
-        spec = with_retries(lambda: gang.join(sessions, settings=settings, job_id=job_id, attempt=attempt,
-                                              node_rank=node_rank, worker=worker_name()), what="join")
+        spec = with_retries(lambda: gang.join(control, job_id=job_id, attempt=attempt, node_rank=node_rank,
+                                              worker=worker_name()), what="join")
         if spec is None:
-            with_retries(lambda: free_worker(sessions, job_id=job_id, node_rank=node_rank), what="free the worker")
+            with_retries(lambda: free_worker(control, job_id=job_id, node_rank=node_rank), what="free the worker")
             return {"job_id": job_id, "node_rank": node_rank, "skipped": True}
-        return run_attempt(sessions, settings=settings, job_id=job_id, attempt=attempt, spec=spec,
+        return run_attempt(sessions, control, settings=settings, job_id=job_id, attempt=attempt, spec=spec,
                            node_rank=node_rank)
+    except worker_control.Revoked as exc:
+        return revoked(job_id, exc)
     finally:
         engine.dispose()
 
 
-def run_attempt(sessions, *, settings: Settings, job_id: str, attempt: int, spec: JobSpec, node_rank: int) -> dict:
+def revoked(job_id: str, exc: worker_control.Revoked) -> dict:
+    """The API refused this machine's credential: the revocation took its jobs back already; nothing to record."""
+    log.error("job %s: the API revoked this machine's credential (%s); the API handed its jobs back", job_id, exc)
+    return {"job_id": job_id, "status": "revoked"}
+
+
+def run_attempt(sessions, control: Control, *, settings: Settings, job_id: str, attempt: int, spec: JobSpec,
+                node_rank: int) -> dict:
     """One node of one attempt: (a gang waits to form), supervise, record; the worker is free again after."""
     global _supervisor
     me = offer or probe(settings, name=worker_name())
@@ -100,84 +100,65 @@ def run_attempt(sessions, *, settings: Settings, job_id: str, attempt: int, spec
     try:
         launch_gang = None
         if spec.resources.nnodes > 1:
-            endpoint, why = gang.wait_formed(sessions, settings=settings, job_id=job_id, attempt=attempt,
+            endpoint, why = gang.wait_formed(control, settings=settings, job_id=job_id, attempt=attempt,
                                              node_rank=node_rank, offer=me, address=me.address,
                                              stopping=lambda: _preempt_requests > 0)
             if endpoint is None:
                 return {**result, "status": why}
             launch_gang = Gang(nnodes=spec.resources.nnodes, node_rank=node_rank, endpoint=endpoint,
                                local_addr=me.address, join_timeout_s=max(30.0, settings.gang_timeout_s))
-        share = with_retries(lambda: bind_share(sessions, me, job_id=job_id, attempt=attempt, node_rank=node_rank),
+        share = with_retries(lambda: bind_share(control, me, job_id=job_id, attempt=attempt, node_rank=node_rank),
                              what="bind the devices")
         run_dir = prepare_run_dir(settings, job_id=job_id, attempt=attempt, spec=spec, node_rank=node_rank)
         supervisor = Supervisor(sessions=sessions, settings=settings, job_id=job_id, attempt=attempt,
-                                spec=spec, run_dir=run_dir, gang=launch_gang, share=share,
-                                control=control.for_worker(settings, sessions))
+                                spec=spec, run_dir=run_dir, gang=launch_gang, share=share, control=control)
         _supervisor = supervisor
         supervisor.preempt_requests = _preempt_requests  # any that came while it was being set up
         try:
             outcome = supervisor.run()
+        except worker_control.Revoked:
+            raise
         except Exception as exc:  # a bug or a launch failure: the job must not stay running
             log.exception("supervising job %s failed", job_id)
             outcome = Outcome(JobStatus.FAILED, error={"type": type(exc).__name__, "message": str(exc),
                                                        "rank": None, "where": "supervisor"})
         if launch_gang is not None and outcome.status == JobStatus.FAILED and is_peer_error(outcome.error):
             time.sleep(PEER_GRACE_S)  # the node with the root cause settles the job first: its error is the job's
-        with_retries(lambda: record(sessions, job_id=job_id, attempt=attempt, outcome=outcome, node_rank=node_rank),
+        with_retries(lambda: record(control, job_id=job_id, attempt=attempt, outcome=outcome, node_rank=node_rank),
                      what="record", tries=None)
         return {**result, "status": outcome.status.value}
     finally:
         _supervisor = None
-        with_retries(lambda: free_worker(sessions, job_id=job_id, node_rank=node_rank), what="free the worker",
+        with_retries(lambda: free_worker(control, job_id=job_id, node_rank=node_rank), what="free the worker",
                      tries=None)
 
 
-def free_worker(sessions, *, job_id: str, node_rank: int | None = None) -> None:
+def free_worker(control: Control, *, job_id: str, node_rank: int | None = None) -> None:
     """Give back what this node of the job held here (its devices), so the worker takes another job."""
-    with sessions() as db:
-        workers.release(db, worker_id=worker_name(), job_id=job_id, node_rank=node_rank)
-        db.commit()
+    control.call("free", {"job_id": job_id, "worker_id": worker_name(), "node_rank": node_rank})
 
 
-def bind_share(sessions, me: Offer, *, job_id: str, attempt: int, node_rank: int) -> dict | None:
+def bind_share(control: Control, me: Offer, *, job_id: str, attempt: int, node_rank: int) -> dict | None:
     """The devices the dispatcher took for this node, tied to its attempt; returns its share (worker/devices.py:
     devices, GPU UUIDs, cores), also stored with the attempt. None when it holds none (the whole worker)."""
-    with sessions() as db:
-        held = holds.bind(db, worker_id=worker_name(), job_id=job_id, node_rank=node_rank, attempt=attempt)
-        share = devices.share(me.machine, held) if held and me.machine is not None else None
-        if share is not None:
-            share["worker"] = worker_name()
-            share["of"] = len(me.machine.devices)
-            holds.bind(db, worker_id=worker_name(), job_id=job_id, node_rank=node_rank, attempt=attempt,
-                       placement=share)
-        db.commit()
-        return share
+    ref = {"job_id": job_id, "attempt": attempt, "node_rank": node_rank, "worker_id": worker_name()}
+    held = control.call("bind", ref)["devices"]
+    share = devices.share(me.machine, held) if held and me.machine is not None else None
+    if share is not None:
+        share["worker"] = worker_name()
+        share["of"] = len(me.machine.devices)
+        control.call("bind", {**ref, "placement": share})
+    return share
 
 
-def claim(sessions, *, settings: Settings, job_id: str) -> tuple[int, JobSpec] | None:
-    """queued → starting, and open the attempt with its lease (service/jobs/lifecycle.py); None when the job is
-    not there to take, or would go over its team's or owner's quota (it stays queued and goes back on its queue)."""
-    with sessions() as db:
-        if (why := quota.over_quota(db, job_id=job_id)) is not None:
-            db.rollback()
-            log.info("job %s not claimed: %s; back on its queue", job_id, why)
-            requeue(sessions, settings, job_id=job_id)
-            return None
-        claimed = lifecycle.claim(db, job_id=job_id, worker=worker_name(), lease_s=settings.lease_s)
-        db.commit()
-        return claimed
-
-
-def requeue(sessions, settings: Settings, *, job_id: str) -> None:
-    """Put a queued job's entry back (a claim it could not make now); the reconciler does it too, later."""
-    redis = Redis.from_url(settings.redis_url)
-    try:
-        with sessions() as db:
-            queue.put_back(db, redis, prefix=settings.queue_prefix, job_id=job_id)
-    except RedisError:
-        log.warning("could not put job %s back on its queue; the reconciler will", job_id)
-    finally:
-        redis.close()
+def claim(control: Control, *, job_id: str) -> tuple[int, JobSpec] | None:
+    """queued → starting, and open the attempt with its lease (the protocol's `claim`); None when the job is not
+    there to take, or would go over its team's or owner's quota (it stays queued and goes back on its queue)."""
+    answer = control.call("claim", {"job_id": job_id, "worker_id": worker_name()})
+    if not answer["claimed"]:
+        log.info("job %s not claimed: %s", job_id, answer["why"])
+        return None
+    return answer["attempt"], JobSpec.model_validate(answer["spec"])
 
 
 def prepare_run_dir(settings: Settings, *, job_id: str, attempt: int, spec: JobSpec, node_rank: int = 0) -> Path:
@@ -189,51 +170,41 @@ def prepare_run_dir(settings: Settings, *, job_id: str, attempt: int, spec: JobS
 
 
 def with_retries(fn, *, what: str, tries: int | None = 7, first_s: float = 0.5, max_s: float = 5.0):
-    """Retry `fn` while the database is out of reach, backing off from first_s to max_s.
+    """Retry `fn` while the control plane (the API, or the database) is out of reach, backing off from first_s to
+    max_s. A refusal (worker_control.Refused, or the database refusing the statement) is raised at once: the same
+    again would be refused again; so is a revoked credential (worker_control.Revoked).
 
     tries=None: until it answers, however long the outage. That is what an attempt's outcome gets: a finished
     run recorded late is still finished (the sweeper gives a worker one lease after an outage to renew, see
-    service/api/sweeper.py), while giving up would leave the job to be retrained.
+    service/api/sweeper.py), while giving up would leave the job to be retrained. Each call the protocol carries
+    answers a replay as the first time, so a call whose answer was lost is sent again safely.
     """
     i = 0
     while True:
         try:
             return fn()
-        except UNREACHABLE as exc:
+        except (worker_control.Unreachable, *UNREACHABLE) as exc:
             i += 1
-            if (tries is not None and i >= tries) or is_refusal(exc):  # refused: the same again would be too
+            if (tries is not None and i >= tries) or (isinstance(exc, UNREACHABLE) and is_refusal(exc)):
                 raise
             wait = min(max_s, first_s * 2 ** (i - 1))
-            log.warning("%s failed: the database is out of reach (try %d); retrying in %.1fs", what, i, wait,
+            log.warning("%s failed: the control plane is out of reach (try %d); retrying in %.1fs", what, i, wait,
                         exc_info=i == 1)
             time.sleep(wait)
 
 
-def record(sessions, *, job_id: str, attempt: int, outcome: Outcome, node_rank: int = 0) -> None:
-    """The final compare-and-set; fenced by attempt so a stale worker cannot overwrite a newer one.
+def record(control: Control, *, job_id: str, attempt: int, outcome: Outcome, node_rank: int = 0) -> None:
+    """The final compare-and-set (the protocol's `outcome`); fenced by attempt so a stale worker cannot overwrite a
+    newer one.
 
     A failure goes through the retry rule (service/jobs/retries.py, in lifecycle.settle_failure): back to
     queued while retries remain and the error is worth another try, else failed; in a gang it stops every
     other node too. A job handed back on shutdown is requeued for free. A success or a cancel is the job's
     once its last node ends.
     """
-    with sessions() as db:
-        if outcome.status == JobStatus.QUEUED:
-            moved = lifecycle.hand_back(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
-                                        detail=outcome.detail or "handed back by its worker")
-        elif outcome.status == JobStatus.FAILED:
-            # Cut off past its lease, the supervisor stopped its ranks itself: the attempt is lost, as the
-            # sweeper would have said (and if its lease somehow still holds, the sweeper says it later).
-            lost = (outcome.error or {}).get("type") == ErrorType.WORKER_LOST
-            moved = lifecycle.settle_failure(db, job_id=job_id, attempt=attempt, error=outcome.error or {},
-                                             attempt_status=AttemptStatus.LOST if lost else AttemptStatus.FAILED,
-                                             exit_code=outcome.exit_code, node_rank=node_rank) is not None
-        else:
-            # A success after retries keeps the earlier attempts' causes in `error`.
-            moved = lifecycle.finish_node(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
-                                          status=outcome.status, summary=outcome.summary, error=outcome.error,
-                                          exit_code=outcome.exit_code)
-        db.commit()
-    if not moved:
+    answer = control.call("outcome", {"job_id": job_id, "attempt": attempt, "node_rank": node_rank,
+                                      "status": outcome.status.value, "exit_code": outcome.exit_code,
+                                      "error": outcome.error, "summary": outcome.summary, "detail": outcome.detail})
+    if not answer["recorded"]:
         log.warning("job %s attempt %s node %s: outcome %s not recorded (the job moved on)", job_id, attempt,
                     node_rank, outcome.status)

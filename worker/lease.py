@@ -1,4 +1,5 @@
-"""An attempt's hold on its job: the lease, renewed on a thread and a connection of its own (DESIGN.md rule 5).
+"""An attempt's hold on its job: the lease, renewed on a thread of its own through the protocol's `leases` call
+(worker/control.py: the API, or in-process for a database worker), DESIGN.md rule 5.
 
 Shipping (a job's output and metrics) and the lease never share a transaction: no amount of data a job writes,
 nor a slow or refused ship, keeps the lease from being renewed, so a worker is lost only when it is. The thread
@@ -12,13 +13,9 @@ import threading
 import time
 from datetime import datetime
 
-import httpx
-from sqlalchemy.orm import Session, sessionmaker
-
-from service.db import UNREACHABLE, is_refusal
 from service.jobs import lifecycle
 from service.settings import Settings
-from worker.control import ApiControl, Revoked
+from worker.control import Control, Refused, Revoked, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +23,9 @@ log = logging.getLogger(__name__)
 class Lease:
     """Renews one node's lease of one attempt from a daemon thread, from start() to stop()."""
 
-    def __init__(self, sessions: sessionmaker[Session], settings: Settings, *, job_id: str, attempt: int,
-                 node_rank: int = 0, api: ApiControl | None = None):
-        self.sessions, self.settings, self.api = sessions, settings, api  # api: renewed through it (issue 42)
+    def __init__(self, control: Control, settings: Settings, *, job_id: str, attempt: int, node_rank: int = 0):
+        # Renewed through the protocol's `leases` (issue 42): by the API, or in-process for a database worker.
+        self.control, self.settings = control, settings
         self.job_id, self.attempt, self.node_rank = job_id, attempt, node_rank
         # When the lease held in the database runs out, as far as this worker knows (the claim or the gang's
         # forming renewed it just before): past it the sweeper may have given the job to another attempt.
@@ -58,7 +55,7 @@ class Lease:
         return time.monotonic() > self.ends
 
     def renew(self) -> bool:
-        """Renew now, in a transaction of its own; False when it could not (lost, or the database is away)."""
+        """Renew now, in a transaction of its own; False when it could not (lost, or the control plane is away)."""
         asked = time.monotonic()
         try:
             held = self._hold()
@@ -69,15 +66,11 @@ class Lease:
             log.error("job %s: the API refused this machine's credential (%s): stopping the ranks", self.job_id, exc)
             self.lost = True
             return False
-        except (httpx.TransportError, httpx.HTTPStatusError) as exc:  # the API away, or refusing the request
-            log.warning("job %s: the API did not renew the lease (%s); will retry", self.job_id, exc)
+        except Unreachable as exc:  # the supervisor stops the ranks once the lease runs out unrenewed
+            log.warning("job %s: the lease renewal will retry (%s)", self.job_id, exc)
             return False
-        except UNREACHABLE as exc:
-            if is_refusal(exc):
-                log.exception("job %s: the database refused the lease renewal; will retry", self.job_id)
-            else:  # the supervisor stops the ranks once the lease runs out unrenewed
-                log.warning("job %s: the database is out of reach (%s); the lease renewal will retry", self.job_id,
-                            type(exc).__name__)
+        except Refused as exc:
+            log.error("job %s: the lease renewal was refused (%s); will retry", self.job_id, exc.detail)
             return False
         except Exception:  # noqa: BLE001 - a blip must never end the thread: the next beat tries again
             log.exception("renewing the lease of job %s failed; will retry", self.job_id)
@@ -87,21 +80,14 @@ class Lease:
         return True
 
     def _hold(self) -> lifecycle.Held | None:
-        """Renew, through the API where this worker joined one, else in a transaction of its own."""
-        if self.api is not None:
-            held = self.api.renew(job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank)
-            if held is None:
-                return None
-            at = held["stacks_requested_at"]
-            return lifecycle.Held(**{**held, "stacks_requested_at": datetime.fromisoformat(at) if at else None})
-        with self.sessions() as db:
-            held = lifecycle.hold(db, job_id=self.job_id, attempt=self.attempt, node_rank=self.node_rank,
-                                  lease_s=self.settings.lease_s)
-            if held is None:
-                db.rollback()
-                return None
-            db.commit()
-        return held
+        """This node's lease renewed by the control plane: what its job asks of it, or None once it lost the job."""
+        ref = {"job_id": self.job_id, "attempt": self.attempt, "node_rank": self.node_rank}
+        [lease] = self.control.call("leases", {"attempts": [ref]})["leases"]
+        held = lease["held"]
+        if held is None:
+            return None
+        at = held["stacks_requested_at"]
+        return lifecycle.Held(**{**held, "stacks_requested_at": datetime.fromisoformat(at) if at else None})
 
     def _loop(self) -> None:
         while not self._stopped.wait(self.settings.heartbeat_s):

@@ -34,6 +34,7 @@ from service.jobs.service import get, record_event
 from service.sweeps.models import Sweep
 from service.workers import fit
 from service.workers import service as workers
+from service.workers.models import Hold
 from trainjobs.spec import JobSpec
 from trainjobs.states import ALLOWED_FROM, LIVE, STOPPED_EARLY, AttemptStatus, ErrorType, JobStatus, SweepStatus
 
@@ -200,11 +201,12 @@ def join(db: Session, *, job_id: str, attempt: int, node_rank: int, worker: str,
 
 
 def check_gang(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_s: float, gang_timeout_s: float,
-               offer: fit.Offer, address: str) -> tuple[str | None, str]:
+               offer: fit.Offer, address: str, endpoint: str | None = None) -> tuple[str | None, str]:
     """One look at a forming gang, renewing this node's lease: (endpoint, "formed"), (None, "waiting"), or
     (None, why) for lost | cancelled | timeout | yielded.
 
-    Node 0 forms it once every node is in: it picks a free port on its address, records the endpoint and
+    Node 0 forms it once every node is in: it picks a free port on its address (or takes `endpoint`, the one its
+    worker found free, where this runs in the API, not on node 0's machine), records the endpoint and
     moves the job to running. A gang not formed in gang_timeout_s, or younger than another forming gang
     that could use this worker, lets every node go (so two half-formed gangs never deadlock).
     """
@@ -225,7 +227,7 @@ def check_gang(db: Session, *, job_id: str, attempt: int, node_rank: int, lease_
     members = active_nodes(db, job_id=job_id, attempt=attempt)
     waited = (utcnow() - job.started_at).total_seconds()
     if node_rank == 0 and members == nnodes:
-        endpoint = f"{address}:{free_port(address)}"
+        endpoint = endpoint or f"{address}:{free_port(address)}"
         db.execute(update(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt, Attempt.node_rank == 0)
                    .values(endpoint=endpoint))
         transition(db, job_id=job_id, to=JobStatus.RUNNING, attempt=attempt,
@@ -478,6 +480,50 @@ def take_back(db: Session, *, owned: Callable[[str], bool], detail: str) -> list
             taken.append(row.job_id)
         db.commit()
     return taken
+
+
+# --- replays: a worker's call sent again after its answer was lost (service/runners/attempt_calls.py) ----------
+# They read only: the compare-and-sets above already refuse to move anything twice; these say whether what the
+# first call did is what this one asks, so the replay answers as the first did.
+
+def claimed_by(db: Session, *, job_id: str, worker: str) -> tuple[int, JobSpec] | None:
+    """The attempt `worker` claimed of `job_id` that has not begun (its answer may have been lost): (number, spec);
+    None for another worker's, once it moved on, or once its devices were bound to it (the answer did arrive:
+    another lane of that worker, taking a second queue entry of the job, must not run it too)."""
+    job = db.get(Job, job_id, populate_existing=True)
+    if job is None or job.status != JobStatus.STARTING:
+        return None
+    node = db.scalar(select(Attempt.worker).where(Attempt.job_id == job_id, Attempt.number == job.attempt,
+                                                  Attempt.node_rank == 0, Attempt.status == AttemptStatus.ACTIVE))
+    bound = db.scalar(select(func.count()).select_from(Hold).where(
+        Hold.worker_id == worker, Hold.job_id == job_id, Hold.node_rank == 0, Hold.attempt == job.attempt))
+    return (job.attempt, job.spec) if node == worker and not bound else None
+
+
+def joined_by(db: Session, *, job_id: str, attempt: int, node_rank: int, worker: str) -> JobSpec | None:
+    """The spec of the gang's node that `worker` joined and that still waits for the gang to form (a join's
+    replay); None otherwise."""
+    job = db.get(Job, job_id, populate_existing=True)
+    if job is None or job.status != JobStatus.STARTING or job.attempt != attempt or job.cancel_requested_at:
+        return None
+    node = db.scalar(select(Attempt.worker).where(Attempt.job_id == job_id, Attempt.number == attempt,
+                                                  Attempt.node_rank == node_rank,
+                                                  Attempt.status == AttemptStatus.ACTIVE))
+    return job.spec if node == worker else None
+
+
+def runs(db: Session, *, job_id: str, attempt: int) -> bool:
+    """Whether the job is running with `attempt` (start_running's replay, or a gang that formed)."""
+    return db.scalar(select(func.count()).select_from(Job).where(
+        Job.id == job_id, Job.attempt == attempt, Job.status == JobStatus.RUNNING)) == 1
+
+
+def node_end(db: Session, *, job_id: str, attempt: int, node_rank: int) -> tuple[str, dict | None, int | None] | None:
+    """How this node of the attempt was closed: (status, error, exit code); None while it is active, or without
+    such a node."""
+    row = db.execute(select(Attempt.status, Attempt.error, Attempt.exit_code).where(
+        Attempt.job_id == job_id, Attempt.number == attempt, Attempt.node_rank == node_rank)).one_or_none()
+    return None if row is None or row.status == AttemptStatus.ACTIVE else (row.status, row.error, row.exit_code)
 
 
 # --- the sweeper ---------------------------------------------------------------------------------------------

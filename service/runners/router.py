@@ -4,7 +4,6 @@ a join token, and its worker registers and beats with a credential of its own in
 /v1/worker/*: a worker credential only (`tjw_…`); /v1/worker-tokens and /v1/runners: an admin's token.
 """
 
-import dataclasses
 import time
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
@@ -66,35 +65,6 @@ class BeatBody(BaseModel):
 
 class BeatPublic(BaseModel):
     registered: bool = Field(description="false: the row is gone (pruned while cut off): register again")
-
-
-class AttemptRef(BaseModel):
-    job_id: str = Field(max_length=32)
-    attempt: int = Field(ge=1, le=2**31 - 1)
-    node_rank: int = Field(0, ge=0, le=4096)
-
-
-class LeasesBody(BaseModel):
-    attempts: list[AttemptRef] = Field(max_length=4096)
-
-
-class HeldPublic(BaseModel):
-    """What a node that still holds its job learns on each renewal (service/jobs/lifecycle.py Held)."""
-
-    cancel_requested: bool
-    progress_step: int
-    stacks_requested_at: datetime | None = None
-    preempt_detail: str | None = None
-    stopped_early: bool = False
-
-
-class LeasePublic(AttemptRef):
-    held: HeldPublic | None = Field(description="null: the attempt lost its job (a cancel of a forming gang, the "
-                                    "sweeper after its lease ran out): stop its ranks and write nothing more")
-
-
-class LeasesPublic(BaseModel):
-    leases: list[LeasePublic]
 
 
 class JoinTokenCreate(BaseModel):
@@ -229,34 +199,6 @@ def heartbeat(body: BeatBody, runner: RunnerDep, db: SessionDep) -> BeatPublic:
                              devices=body.devices)
         db.commit()
     return BeatPublic(registered=found)
-
-
-@router.post("/leases", response_model=LeasesPublic)
-def renew_leases(body: LeasesBody, runner: RunnerDep, db: SessionDep, settings: SettingsDep) -> LeasesPublic:
-    """Renew the leases of the attempts this machine runs (by the database's clock) and say what each job asks of
-    them: a cancel, a preemption, its stacks, a sweep's early stop. An attempt of another machine's is a 403."""
-    out = []
-    with db:
-        owners = lifecycle.attempt_workers(db, refs=[(a.job_id, a.attempt, a.node_rank) for a in body.attempts])
-        for ref in body.attempts:
-            owner = owners.get((ref.job_id, ref.attempt, ref.node_rank))
-            if owner is not None and not runner.owns(owner):
-                raise Forbidden(f"attempt {ref.attempt} of job {ref.job_id} is not runner {runner.name!r}'s",
-                                field="attempts")
-        for ref in body.attempts:  # one short transaction each: each locks its job's row (lifecycle.hold)
-            held = lifecycle.hold(db, job_id=ref.job_id, attempt=ref.attempt, node_rank=ref.node_rank,
-                                  lease_s=settings.lease_s) if ref_key(ref) in owners else None
-            if held is None:
-                db.rollback()
-            else:
-                db.commit()
-            out.append(LeasePublic(**ref.model_dump(), held=None if held is None else
-                                   HeldPublic(**dataclasses.asdict(held))))
-    return LeasesPublic(leases=out)
-
-
-def ref_key(ref: AttemptRef) -> tuple[str, int, int]:
-    return ref.job_id, ref.attempt, ref.node_rank
 
 
 @router.delete("/workers/{worker_id}", status_code=204)
