@@ -11,7 +11,6 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import jobfiles
-from service.jobs import lifecycle, records
 from service.settings import Settings
 from trainjobs import paths, runenv
 from trainjobs.spec import JobSpec
@@ -52,8 +51,7 @@ class Supervisor:
         self.metrics = MetricTail(run_dir / runenv.METRICS_FILE, MetricCaps.of(settings))
         self.cancel_requested = False
         # Renewed on a thread of its own from run()'s start to its end, never by shipping (worker/lease.py).
-        self.lease = Lease(sessions, settings, job_id=job_id, attempt=attempt, node_rank=self.node_rank,
-                           api=self.control if isinstance(self.control, worker_control.ApiControl) else None)
+        self.lease = Lease(self.control, settings, job_id=job_id, attempt=attempt, node_rank=self.node_rank)
         self._removed_checkpoints: list[str] = []  # half-written ones, once the ranks were gone
         self._disk_short = False  # its storage or run dir was below worker_min_free_bytes when the ranks ended
         self.preempt_requests = 0  # the worker is shutting down: 1 = checkpoint and hand back, 2 = stop now
@@ -130,9 +128,11 @@ class Supervisor:
 
     def _phase(self, phase: str) -> None:
         """What the attempt does before its ranks run, shown as the starting job's pending_reason."""
-        with self.sessions() as db:
-            records.record_phase(db, job_id=self.job_id, attempt=self.attempt, phase=phase)
-            db.commit()
+        try:
+            self.control.call("phase", {"job_id": self.job_id, "attempt": self.attempt, "node_rank": self.node_rank,
+                                        "phase": phase})
+        except (worker_control.Unreachable, worker_control.Refused) as exc:  # only what the job page shows
+            log.warning("attempt %s: its phase %r was not written (%s)", self.tag, phase, exc)
 
     def _launch(self, *, job_dir: Path, code: prepare.Code, python: str) -> Outcome:
         plan = prepare.render(self.spec, self.settings, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir,
@@ -152,11 +152,9 @@ class Supervisor:
         proc, procs, pump = launched.proc, launched.procs, launched.pump
         self.watch.launched()
         try:
-            moved = self.gang is not None  # a gang turned running when it formed (worker/gang.py)
-            with self.sessions() as db:
-                moved = moved or lifecycle.start_running(db, job_id=self.job_id, attempt=self.attempt,
-                                                         detail=f"torchrun pid {proc.pid}")
-                db.commit()
+            # A gang turned running when it formed (worker/gang.py).
+            moved = self.gang is not None or self.control.call("running", {
+                "job_id": self.job_id, "attempt": self.attempt, "detail": f"torchrun pid {proc.pid}"})["running"]
             exit_code, stop_reason, killed = self._watch(launched, None if moved else "lost")
             if left := procs.find():  # torchrun is gone: ranks or their helpers outlived it
                 log.warning("attempt %s: %d process(es) outlived torchrun; stopping them", self.tag, len(left))
