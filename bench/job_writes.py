@@ -85,6 +85,7 @@ def ship_one(args: tuple[str, int, str]) -> tuple[int, float, float, float]:
     url, points, folder = args
     from service.db import make_engine, make_sessionmaker
     from service.jobs import service as jobs
+    from service.metrics import service as metrics
     from service.settings import Settings
     from trainjobs.spec import JobSpec
     from worker.shipping import MetricCaps, MetricTail
@@ -112,7 +113,7 @@ def ship_one(args: tuple[str, int, str]) -> tuple[int, float, float, float]:
     cpu, db_cpu = time.process_time(), cpu_s(backend)
     while True:
         with sessions() as db:
-            stored += tail.write(db, job_id=job_id, attempt=1)
+            stored += metrics.insert_shipped(db, job_id=job_id, attempt=1, points=tail.part())
             db.commit()
         tail.committed()
         if not tail.more:
@@ -161,7 +162,6 @@ def idle_ship(ships: int = 20, busy: int = 200) -> dict:
     from service.settings import Settings
     from trainjobs.spec import JobSpec
     from trainjobs.states import JobStatus
-    from worker.shipping import LogShipper
     from worker.supervisor import Supervisor
 
     url = fresh_database(f"bench_idle_{os.getpid()}")
@@ -189,8 +189,7 @@ def idle_ship(ships: int = 20, busy: int = 200) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         sup = Supervisor(sessions=sessions, settings=Settings(database_url=url), job_id=job_id, attempt=1,
                          spec=spec, run_dir=Path(run_dir))
-        with sessions() as db:
-            sup.logs = LogShipper(db, job_id=job_id, attempt=1, max_bytes=1 << 20)
+        sup.shipper.open(max_bytes=1 << 20)
         with open(Path(run_dir) / "metrics.jsonl", "w") as f:
             for step in range(1, 6):
                 f.write(json.dumps({"type": "metrics", "step": step, "time": time.time(),

@@ -8,12 +8,13 @@ from service.logs.models import LogChunk
 from service.metrics.models import Metric, MetricBlock
 from service.packages.models import Package
 from service.runners.models import Credential, JoinToken
+from service.runners.streams import AttemptStream
 from service.scheduling.assignments import Assignment
 from service.scheduling.models import Team, Usage
 from service.sweeps.models import Sweep
 from service.webhooks.models import Delivery, Webhook
 from service.workers.models import Hold, Worker
 
-__all__ = ["ApiToken", "Assignment", "Attempt", "Base", "Credential", "Delivery", "Hold", "Job", "JobCount",
-           "JobCountDelta", "JobEvent", "JobTag", "JoinToken", "LogChunk", "Metric", "MetricBlock", "Package",
-           "RegistryCredential", "Sweep", "Team", "Usage", "User", "Webhook", "Worker"]
+__all__ = ["ApiToken", "Assignment", "Attempt", "AttemptStream", "Base", "Credential", "Delivery", "Hold", "Job",
+           "JobCount", "JobCountDelta", "JobEvent", "JobTag", "JoinToken", "LogChunk", "Metric", "MetricBlock",
+           "Package", "RegistryCredential", "Sweep", "Team", "Usage", "User", "Webhook", "Worker"]

@@ -21,7 +21,7 @@ from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.auth.tokens import write_secret
-from service.db import UNREACHABLE, is_refusal
+from service.db import UNREACHABLE, is_refusal, make_engine, make_sessionmaker
 from service.errors import TrainjobsError
 from service.runners import protocol
 from service.settings import Settings, get_settings
@@ -61,9 +61,16 @@ class Control(Protocol):
 class DatabaseControl:
     """The worker's own row, written in the database (a worker that holds its URL)."""
 
-    def __init__(self, sessions: sessionmaker[Session], settings: Settings | None = None):
-        self.sessions, self.settings = sessions, settings or get_settings()
+    def __init__(self, sessions: sessionmaker[Session] | None, settings: Settings | None = None):
+        self._sessions, self.settings = sessions, settings or get_settings()
         self.redis: Redis | None = None
+
+    @property
+    def sessions(self) -> sessionmaker[Session]:
+        """The database's sessions: the caller's, else made on the first call (a supervisor a test drives alone)."""
+        if self._sessions is None:
+            self._sessions = make_sessionmaker(make_engine(self.settings.resolved_database_url))
+        return self._sessions
 
     def call(self, name: str, body: dict) -> dict | None:
         """The protocol's call `name` run here, as the API would run it (service/runners/protocol.py): the body
@@ -187,7 +194,6 @@ def for_worker(settings: Settings, sessions: sessionmaker[Session] | None) -> "C
     found = saved(settings)
     if found is not None:
         return found
-    assert sessions is not None, "a worker that joined no API needs the database"
     return DatabaseControl(sessions, settings)
 
 
