@@ -227,6 +227,24 @@ def test_an_assignment_whose_device_turned_unhealthy_is_given_back_and_planned_a
     assert again.devices != placed.devices and held_for(sessions, "w1", job) == list(again.devices)
 
 
+def test_an_assignment_its_worker_took_stands_while_it_is_claimed_and_one_redis_lost_is_planned_again(
+        settings, sessions, redis, lane):
+    with sessions() as db:
+        taken = queued(db, redis, "taken", 1)
+    run_pass(settings, sessions, redis, unclaimed_s=0)
+    assert lane().id == taken  # off its queue, still its to run: the claim comes next
+    for _ in range(3):
+        assert run_pass(settings, sessions, redis, unclaimed_s=0).undone == {}
+    assert set(assignments(sessions)) == {taken}
+    with sessions() as db:
+        lost = queued(db, redis, "lost", 1)
+    run_pass(settings, sessions, redis, unclaimed_s=0)
+    redis.delete(queue.worker_queue(redis, QUEUE_PREFIX, "w1").key)  # the entry is gone with Redis's data
+    reports = [run_pass(settings, sessions, redis, unclaimed_s=0) for _ in range(2)]
+    assert reports[-1].undone == {lost: "unclaimed"}  # never taken: planned again, its entry anew
+    assert [p.job_id for p in reports[-1].assigned] == [lost] and own_queue(redis, "w1") == [lost]
+
+
 def test_a_forged_entry_on_a_workers_own_queue_is_refused_and_logged_never_run(settings, sessions, redis, lane,
                                                                               caplog, tmp_path):
     proof = tmp_path / "pwned"

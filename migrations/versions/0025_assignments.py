@@ -26,6 +26,7 @@ def upgrade() -> None:
         sa.Column('attempt', sa.Integer(), nullable=False),
         sa.Column('pass_no', sa.BigInteger(), nullable=False),
         sa.Column('assigned_at', service.db.UTCDateTime(timezone=True), nullable=False),
+        sa.Column('taken_at', service.db.UTCDateTime(timezone=True), nullable=True),
         sa.PrimaryKeyConstraint('job_id', 'node_rank', name='pk_assignments'),
     )
     op.create_index('ix_assignments_worker', 'assignments', ['worker_id'])

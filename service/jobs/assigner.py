@@ -92,13 +92,13 @@ def settle(db: Session, redis: Redis, settings: Settings, report: Report, *, ent
         if why is None:
             standing.append(row)
             continue
-        taken = why in ("ended", "given back", "lost", "unclaimed") and not queue.off_worker_queue(
-            redis, prefix=prefix, job_id=row.job_id, worker_id=row.worker_id)
-        if why == "unclaimed" and taken:
-            if (now - row.assigned_at).total_seconds() < holds.PENDING_S:
-                standing.append(row)  # its worker took the entry off its queue: it is claiming it
-                continue
-            why = "taken, never claimed"
+        if why != "claimed":
+            waited = queue.off_worker_queue(redis, prefix=prefix, job_id=row.job_id, worker_id=row.worker_id)
+            if why == "unclaimed" and not waited and row.taken_at is not None:
+                if (now - row.taken_at).total_seconds() < holds.PENDING_S:
+                    standing.append(row)  # its worker took it off its queue and is claiming it
+                    continue
+                why = "taken, never claimed"
         assign.forget(db, row, release=why != "claimed")
         db.commit()
         if why in ("lost", "unclaimed", "taken, never claimed"):  # planned again: its entry back, its hash anew
@@ -112,7 +112,7 @@ def settle(db: Session, redis: Redis, settings: Settings, report: Report, *, ent
 
 
 def _open(p: assign.Placed, number: int) -> assign.Open:
-    return assign.Open(p.job_id, 0, p.worker_id, p.devices, 0, number, utcnow(), None, None, p.priority)
+    return assign.Open(p.job_id, 0, p.worker_id, p.devices, 0, number, utcnow(), None, None, None, p.priority)
 
 
 class Assigner:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.db import utcnow
 from service.jobs import queue
 from service.jobs.models import Job
 from service.runners import protocol
@@ -61,6 +62,8 @@ def assignment(db: Session, ctx: Context, body: AssignmentRef) -> Assigned:
     if why is not None:
         undo(db, ctx, row, why)
         return Assigned(job_id=body.job_id, state="given back", reason=why)
+    row.taken_at = row.taken_at or utcnow()  # claiming it: the pass leaves it be (holds.PENDING_S at most)
+    db.commit()
     return Assigned(job_id=body.job_id, state="run", node_rank=row.node_rank, devices=row.devices)
 
 
@@ -93,7 +96,7 @@ def undo(db: Session, ctx: Context, row: Assignment, why: str) -> None:
     log.info("job %s: its assignment to %s is given back (%s)", row.job_id, row.worker_id, why)
     worker_id = row.worker_id
     assign.forget(db, assign.Open(row.job_id, row.node_rank, worker_id, None, row.attempt, row.pass_no,
-                                  row.assigned_at, None, None, None), release=True)
+                                  row.assigned_at, row.taken_at, None, None, None), release=True)
     db.commit()
     queue.off_worker_queue(ctx.redis, prefix=ctx.settings.queue_prefix, job_id=row.job_id, worker_id=worker_id)
     queue.put_back(db, ctx.redis, prefix=ctx.settings.queue_prefix, job_id=row.job_id)

@@ -55,6 +55,7 @@ class Open:
     attempt: int
     pass_no: int
     assigned_at: datetime
+    taken_at: datetime | None
     status: str | None
     job_attempt: int | None
     priority: str | None
@@ -63,10 +64,11 @@ class Open:
 def open_assignments(db: Session) -> list[Open]:
     a = Assignment
     rows = db.execute(select(a.job_id, a.node_rank, a.worker_id, a.devices, a.attempt, a.pass_no, a.assigned_at,
-                             Job.status, Job.attempt, Job.priority).outerjoin(Job, Job.id == a.job_id)).all()
-    return [Open(job, node, worker, tuple(devices) if devices is not None else None, attempt, number, at, status,
-                 job_attempt, priority)
-            for job, node, worker, devices, attempt, number, at, status, job_attempt, priority in rows]
+                             a.taken_at, Job.status, Job.attempt, Job.priority)
+                      .outerjoin(Job, Job.id == a.job_id)).all()
+    return [Open(job, node, worker, tuple(devices) if devices is not None else None, attempt, number, at, taken,
+                 status, job_attempt, priority)
+            for job, node, worker, devices, attempt, number, at, taken, status, job_attempt, priority in rows]
 
 
 def verdict(row: Open, *, number: int, live: Collection[str], on_priority_queue: Collection[str], now: datetime,
@@ -77,8 +79,8 @@ def verdict(row: Open, *, number: int, live: Collection[str], on_priority_queue:
     - "ended": its job left `queued` unclaimed (cancelled, gone): its holds and its entry go;
     - "given back": its entry is on a priority queue again (the worker gave it back, or its claim put it back);
     - "lost": its worker is no longer live;
-    - "unclaimed": it waited UNCLAIMED_PASSES passes (and `unclaimed_s`) on its worker's queue: planned again if
-      still there (a worker that took the entry off its queue is claiming it: it stands, holds.PENDING_S at most).
+    - "unclaimed": UNCLAIMED_PASSES passes (and `unclaimed_s`) went by and no claim came: planned again, unless its
+      worker took it (`taken_at`) and is claiming it (the caller's: it stands holds.PENDING_S at most).
     """
     if row.status is None or row.status != JobStatus.QUEUED:
         return "claimed" if row.job_attempt is not None and row.job_attempt != row.attempt else "ended"

@@ -25,6 +25,8 @@ class Assignment(Base):
     attempt: Mapped[int] = mapped_column(Integer)  # the job's attempt count when assigned: a claim moves it on
     pass_no: Mapped[int] = mapped_column(BigInteger)  # the pass that assigned it
     assigned_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # When its worker took the entry off its queue and found it still fits (the `assignment` call): claiming it.
+    taken_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     __table_args__ = (PrimaryKeyConstraint("job_id", "node_rank", name="pk_assignments"),
                       Index("ix_assignments_worker", "worker_id"))
