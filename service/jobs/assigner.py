@@ -65,8 +65,10 @@ def run_pass(db: Session, redis: Redis, settings: Settings, *, cache: MutableMap
     t3 = time.perf_counter()
     placed = assign.placements(db, snap, plan)
     t4 = time.perf_counter()
-    for p in assign.record(db, placed, number=report.number):
-        if queue.hand_to_worker(redis, prefix=prefix, job_id=p.job_id, priority=p.priority, worker_id=p.worker_id):
+    recorded = assign.record(db, placed, number=report.number)
+    moved = queue.hand_to_workers(redis, prefix=prefix, moves=[(p.job_id, p.priority, p.worker_id) for p in recorded])
+    for p, ok in zip(recorded, moved, strict=True):
+        if ok:
             report.assigned.append(p)
             log.info("pass %d: job %s assigned to %s, device(s) %s", report.number, p.job_id, p.worker_id,
                      list(p.devices) if p.devices is not None else "all")

@@ -117,11 +117,17 @@ local n = redis.call('LREM', KEYS[1], 0, ARGV[1])
 if n > 0 then redis.call('RPUSH', KEYS[2], ARGV[1]) end
 return n
 """
-def hand_to_worker(redis: Redis, *, prefix: str, job_id: str, priority: str, worker_id: str) -> bool:
-    """Move a job's entry from its priority queue onto the worker's own queue (atomic); False when its priority
-    queue no longer held it (taken by an earlier version's worker, dropped by a cancel, lost with Redis)."""
-    return redis.eval(_HAND, 2, get_queue(redis, prefix, priority).key, worker_queue(redis, prefix, worker_id).key,
-                      job_id) > 0
+def hand_to_workers(redis: Redis, *, prefix: str, moves: Sequence[tuple[str, str, str]]) -> list[bool]:
+    """Move each (job id, priority, worker id)'s entry from its priority queue onto the worker's own queue, each
+    move atomic, all in one round trip; False for one its priority queue no longer held (taken by an earlier
+    version's worker, dropped by a cancel, lost with Redis)."""
+    if not moves:
+        return []
+    with redis.pipeline(transaction=False) as pipe:
+        for job_id, priority, worker_id in moves:
+            pipe.eval(_HAND, 2, get_queue(redis, prefix, priority).key, worker_queue(redis, prefix, worker_id).key,
+                      job_id)
+        return [n > 0 for n in pipe.execute()]
 
 
 def off_worker_queue(redis: Redis, *, prefix: str, job_id: str, worker_id: str) -> int:
