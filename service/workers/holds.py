@@ -1,10 +1,12 @@
 """Which job holds which device of a worker (issue 30): the rows that keep two jobs off one device.
 
 A worker that runs several jobs at once gives each node of a job its own devices (GPUs, or on a CPU machine
-slots of cores). The worker's dispatcher takes them when it takes a queue entry (`take`: pending, no attempt
-yet), the claim binds them to the attempt and stores where it runs (`bind`), and the end of the attempt gives
-them back (`release`). The primary key (worker, device) is the guarantee: two takes of one device, from two
-lanes of a worker or two processes that think they are it, cannot both commit, on either database.
+slots of cores). The scheduler's pass takes them when it assigns a job to the worker (`take_many`: pending, no
+attempt yet; a worker takes a gang's node task's itself, `take`), the claim binds them to the attempt and stores
+where it runs (`bind`), and the end of the attempt gives them back (`release`); an assignment undone gives back
+its pending ones (`release_pending`). The primary key (worker, device) is the guarantee: two takes of one device,
+from two passes, two lanes of a worker or two processes that think they are it, cannot both commit, on either
+database.
 
 A hold outlives its use only when its worker died: its attempt is then no longer active (the sweeper marked
 it lost), or a pending one was never claimed. Such holds are stale: they count for nothing and the worker's
