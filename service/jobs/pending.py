@@ -1,7 +1,8 @@
-"""What the sweeper writes on the jobs from the scheduler's plan: why each queued job waits (`pending_reason`), the
-preemptions the plan asks of running jobs, and priority aging so `low` never starves. Each write is a
-compare-and-set on the job's status (and, for aging, its priority and queue time); the plan itself is
-service/scheduling's, which writes no job row."""
+"""What the control plane writes on the jobs from the scheduler's plan: why each queued job waits
+(`pending_reason`), the preemptions the plan asks of running jobs (`apply`, from the scheduler's pass,
+service/jobs/assigner.py, with the plan it assigns by), and priority aging so `low` never starves (`age`, the
+sweeper's). Each write is a compare-and-set on the job's status (and, for aging, its priority and queue time); the
+plan itself is service/scheduling's, which writes no job row."""
 
 import logging
 from collections.abc import MutableMapping
@@ -26,9 +27,9 @@ UP = {"low": "normal", "normal": "high"}
 
 
 def explain(db: Session, settings: Settings, cache: MutableMapping[str, scheduling.Req] | None = None) -> policy.Plan:
-    """Plan the pool (service/scheduling/policy.py) and write what the sweeper owns of it: each queued job's
-    pending_reason (None once it is about to start) and the preemptions. The caller commits; `cache` is the
-    caller's, kept between passes (scheduling.snapshot)."""
+    """Plan the pool (service/scheduling/policy.py) on its own and write `apply`'s part of it: each queued job's
+    pending_reason (None once it is about to start) and the preemptions (the scheduler's pass applies its own
+    plan instead). The caller commits; `cache` is the caller's, kept between passes (scheduling.snapshot)."""
     plan = policy.plan(scheduling.snapshot(db, settings, cache=cache))
     apply(db, plan)
     return plan
@@ -47,7 +48,7 @@ def request_preemption(db: Session, p: policy.Preemption) -> bool:
 
 
 def apply(db: Session, plan: policy.Plan) -> tuple[int, int]:
-    """The sweeper's part of a plan: each queued job's pending_reason, and the preemptions. The caller commits."""
+    """What a plan writes on the jobs: each queued job's pending_reason, and the preemptions. The caller commits."""
     reasons = {p.job_id: p.reason for p in plan.order}
     changed = 0
     if reasons:
