@@ -5,7 +5,7 @@ and a revoked credential stops its worker, which hands its job back."""
 
 import psutil
 
-from tests.conftest import mlp_spec
+from tests.conftest import admin_token, mlp_spec
 from tests.helpers import live_stack, stack_cli, wait_for
 
 INVENTORY = {"host": "gpu-7", "address": "10.0.0.7", "device": "cpu", "slots": 2, "memory_bytes": 2**30,
@@ -145,3 +145,31 @@ def test_a_worker_renews_only_its_own_attempts_leases_and_learns_a_cancel(client
     stale = {"attempts": [{"job_id": job_id, "attempt": attempt + 1, "node_rank": 0}]}  # no such attempt
     [lease] = client.post("/v1/worker/leases", json=stale, headers=as_worker(credential)).json()["leases"]
     assert lease["held"] is None
+
+
+def test_an_operator_s_join_token_file_lets_machines_join_from_the_api_s_start_and_a_bad_one_stops_it(settings,
+                                                                                                     redis, tmp_path):
+    """TRAINJOBS_JOIN_TOKEN_FILE (a compose file's workers join with it, as k3s's server token): accepted from the
+    API's start, any number of machines; revoked by an admin, it stays revoked across restarts; a file holding no
+    join token stops the start, naming it."""
+    import pytest
+    from fastapi.testclient import TestClient
+
+    from service.api.app import create_app
+
+    token_file = tmp_path / "join_token"
+    token_file.write_text("tjj_" + "ab12" * 16 + "\n")
+    with_file = settings.model_copy(update={"join_token_file": token_file})
+    with TestClient(create_app(with_file)) as client:
+        first = join(client, token_file.read_text().strip(), "gpu-7")
+        second = join(client, token_file.read_text().strip(), "gpu-8")
+        assert first.status_code == 201 and second.status_code == 201, first.text
+        client.headers["Authorization"] = f"Bearer {admin_token(settings)}"
+        [row] = [t for t in client.get("/v1/worker-tokens").json() if t["created_by"] == "TRAINJOBS_JOIN_TOKEN_FILE"]
+        assert row["expires_at"] is None and row["uses_left"] is None
+        assert client.delete(f"/v1/worker-tokens/{row['id']}").status_code == 200
+    with TestClient(create_app(with_file)) as client:  # restarted: the revoked token is not made live again
+        assert join(client, token_file.read_text().strip(), "gpu-9").status_code == 401
+    token_file.write_text("hunter2")
+    with pytest.raises(RuntimeError, match="holds no join token"), TestClient(create_app(with_file)):
+        pass

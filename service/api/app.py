@@ -4,6 +4,7 @@ import logging
 import re
 import threading
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,6 +39,7 @@ from service.metrics.charts import RenderedCharts
 from service.metrics.router import router as metrics_router
 from service.packages.router import router as packages_router
 from service.redis_auth import warn_if_open
+from service.runners import credentials
 from service.runners.router import admin_router as worker_admin_router
 from service.runners.router import router as worker_router
 from service.scheduling.router import router as scheduling_router
@@ -59,6 +61,8 @@ async def lifespan(app: FastAPI):
         with app.state.sessionmaker() as db:
             if tokens.bootstrap_admin(db, settings):
                 log.warning("first start: an admin token was written to %s (mode 0600)", settings.admin_token_file)
+    if settings.join_token_file is not None:  # issue 42: the operator's join token (a compose file's workers join)
+        accept_join_token(app, settings.join_token_file)
     warn_if_open(settings, who="API", log=log)  # an unreachable Redis is the sweeper's to wait for, not the start's
     sweeper = Sweeper(app.state.settings, app.state.sessionmaker, app.state.redis,
                       on_collect=getattr(app.state, "count_collected", None), needs=app.state.job_needs)
@@ -80,6 +84,20 @@ async def lifespan(app: FastAPI):
     delivering.join(timeout=5)
     app.state.redis.close()
     app.state.engine.dispose()
+
+
+def accept_join_token(app: FastAPI, path: Path) -> None:
+    """The join token in `path` is accepted from now on (stored as a hash once; one an admin revoked stays
+    revoked). A missing or malformed file stops the start, naming it: a pool whose workers cannot join is no pool."""
+    try:
+        secret = path.read_text()
+    except OSError as exc:
+        raise RuntimeError(f"TRAINJOBS_JOIN_TOKEN_FILE {path}: {exc.strerror or exc}") from None
+    with app.state.sessionmaker() as db:
+        if credentials.ensure_join_token(db, secret=secret, created_by="TRAINJOBS_JOIN_TOKEN_FILE") is None:
+            raise RuntimeError(f"TRAINJOBS_JOIN_TOKEN_FILE {path} holds no join token: write tjj_ and 32 or more "
+                               "random characters into it (echo \"tjj_$(openssl rand -hex 32)\")")
+        db.commit()
 
 
 def allowed_methods(app: FastAPI, path: str) -> str:
