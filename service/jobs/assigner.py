@@ -9,7 +9,8 @@ devices freed, a worker ready: queue.kick) or every sweep_s:
 2. one `policy.plan` on the pool's snapshot (the queued jobs with an entry on a priority queue, none assigned);
 3. each job it starts now: its devices picked, its assignment and holds written (one transaction, a
    compare-and-set), then its entry moved from its priority queue onto its worker's own queue (one Lua step);
-4. the same plan's pending reasons, estimates and preemptions written (jobs/pending.py `apply`).
+4. the same plan's pending reasons, estimates and preemptions written (jobs/pending.py `apply`; every sweep_s,
+   not at each kick).
 
 Workers read no pool and run no plan: a lane pops its worker's own queue and only checks that the job still fits
 (service/runners/assign_calls.py). The claim's compare-and-set still decides who runs a job.
@@ -49,8 +50,9 @@ class Report:
 
 
 def run_pass(db: Session, redis: Redis, settings: Settings, *, cache: MutableMapping[str, scheduling.Req],
-             unclaimed_s: float | None = None) -> Report:
-    """One scheduling pass (the caller holds the assigner's lock). Commits as it goes."""
+             unclaimed_s: float | None = None, reasons: bool = True) -> Report:
+    """One scheduling pass (the caller holds the assigner's lock). Commits as it goes. `reasons`: also write the
+    plan's pending reasons and preemptions (the loop does every sweep_s, as the sweeper did)."""
     prefix = settings.queue_prefix
     report = Report(number=int(redis.incr(PASS_KEY.format(prefix=prefix))))
     t0 = time.perf_counter()
@@ -76,8 +78,9 @@ def run_pass(db: Session, redis: Redis, settings: Settings, *, cache: MutableMap
             assign.forget(db, _open(p, report.number), release=True)
             db.commit()
     t5 = time.perf_counter()
-    pending.apply(db, plan)
-    db.commit()
+    if reasons:
+        pending.apply(db, plan)
+        db.commit()
     t6 = time.perf_counter()
     report.seconds = {"settle": t1 - t0, "snapshot": t2 - t1, "plan": t3 - t2, "place": t4 - t3,
                       "assign": t5 - t4, "reasons": t6 - t5}
@@ -126,6 +129,7 @@ class Assigner:
         self.settings, self.sessions, self.redis = settings, sessions, redis
         self.cache: MutableMapping[str, scheduling.Req] = {} if cache is None else cache
         self.last: Report | None = None
+        self.reasons_at = -float("inf")  # when a pass last wrote the pending reasons and preemptions
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -146,9 +150,15 @@ class Assigner:
             log.warning("the scheduler cannot reach Redis; will retry")
             return None
         try:
+            # NOTE: a kicked pass (a submission) assigns at once; the reasons and preemptions are written every
+            # sweep_s, as the sweeper did: a job's row (its ETag) does not change a moment after its submission.
+            now = time.monotonic()
+            reasons = now - self.reasons_at >= self.settings.sweep_s
             with self.sessions() as db:
-                self.last = run_pass(db, self.redis, self.settings, cache=self.cache)
-                return self.last
+                self.last = run_pass(db, self.redis, self.settings, cache=self.cache, reasons=reasons)
+            if reasons:
+                self.reasons_at = now
+            return self.last
         except UNREACHABLE as exc:
             log.warning("the scheduler cannot reach the database (%s); will retry", type(exc).__name__)
         except Exception:  # noqa: BLE001 - a failed pass must not stop the loop
