@@ -5,7 +5,10 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE, is_refusal, make_engine, make_sessionmaker
 from service.settings import Settings, get_settings
@@ -44,9 +47,7 @@ def worker_name() -> str:
 def run_job(job_id: str) -> dict:
     """Run one attempt of `job_id` (node 0 of it, for a gang); returns what happened (RQ keeps it as the result)."""
     settings = get_settings()
-    engine = make_engine(settings.resolved_database_url, application_name=worker_name())
-    sessions = make_sessionmaker(engine)
-    control = worker_control.for_worker(settings, sessions)  # the protocol's calls: the API, or in-process
+    sessions, control, close = reach(settings)  # the protocol's calls: the API, or in-process
     try:
         if _preempt_requests:  # shutting down before it began: the job stays queued (the sweeper enqueues it)
             return {"job_id": job_id, "skipped": True}
@@ -60,15 +61,13 @@ def run_job(job_id: str) -> dict:
     except worker_control.Revoked as exc:
         return revoked(job_id, exc)
     finally:
-        engine.dispose()
+        close()
 
 
 def run_node(job_id: str, attempt: int, node_rank: int) -> dict:
     """Join node `node_rank` of a forming gang and run it (RQ's job function for a gang's node task)."""
     settings = get_settings()
-    engine = make_engine(settings.resolved_database_url, application_name=worker_name())
-    sessions = make_sessionmaker(engine)
-    control = worker_control.for_worker(settings, sessions)
+    sessions, control, close = reach(settings)
     try:
         if _preempt_requests:
             return {"job_id": job_id, "skipped": True}
@@ -82,7 +81,19 @@ def run_node(job_id: str, attempt: int, node_rank: int) -> dict:
     except worker_control.Revoked as exc:
         return revoked(job_id, exc)
     finally:
-        engine.dispose()
+        close()
+
+
+def reach(settings: Settings) -> tuple[sessionmaker[Session] | None, Control, Callable[[], None]]:
+    """How this work-horse reaches the control plane: a joined worker through the API alone (no database URL, no
+    session); else the database, on an engine of its own (named after the worker: the sweeper ends a frozen
+    worker's sessions by that name). And what closes it."""
+    if settings.worker_api:
+        control = worker_control.for_worker(settings, None)
+        return None, control, getattr(control, "close", lambda: None)
+    engine = make_engine(settings.resolved_database_url, application_name=worker_name())
+    sessions = make_sessionmaker(engine)
+    return sessions, worker_control.for_worker(settings, sessions), engine.dispose
 
 
 def revoked(job_id: str, exc: worker_control.Revoked) -> dict:

@@ -155,6 +155,9 @@ class ApiControl:
         [lease] = self._post("/v1/worker/leases", body).json()["leases"]
         return lease["held"]
 
+    def close(self) -> None:
+        self.client.close()
+
     def remove(self, worker_id: str) -> None:
         response = self.client.delete(f"/v1/worker/workers/{worker_id}")
         if response.status_code == 401:

@@ -8,7 +8,8 @@ devices healthy and held for it); one that does not is given back there. It read
 claim's compare-and-set in the database still decides who runs a job.
 
 A gang's node tasks (nodes 1.. of a job whose node 0 is claimed) wait on the gang queue, served first: a lane takes
-one its worker fits, with devices of its own (holds.take; a shared worker's lanes take them one at a time, a file
+one its worker fits (the `node_tasks` call says which, service/runners/node_calls.py), with devices of its own (the
+`node_hold` call: placement's best linked free set, held; a shared worker's lanes take them one at a time, a file
 lock), as before the one scheduler; the pass's plan keeps their workers' room for them.
 
 An entry is only a hint, and anything that reached Redis may have written it: a stale entry (its job no longer
@@ -28,16 +29,9 @@ from rq import Queue
 from rq.exceptions import DequeueTimeout, NoSuchJobError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import UNREACHABLE
-from service.jobs import service as jobs
 from service.jobs.queue import GANG, PRIORITIES, SECURITY, kick, parse_node_task_id, refusal
-from service.runners import assign_calls  # noqa: F401 - registers the calls a DatabaseControl runs here
-from service.scheduling import placement
 from service.settings import Settings
-from service.workers import fit, holds
-from service.workers import service as workers
-from trainjobs.states import JobStatus
-from worker import devices
+from service.workers import fit
 from worker.control import Control, Refused, Unreachable, for_worker
 
 log = logging.getLogger(__name__)
@@ -90,44 +84,32 @@ class Taker:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def hold(self, entry: str) -> bool:
-        """Take this worker's devices for a gang node task (the best linked free set, placement.choose); False
-        when too few are free now (a sibling lane took them): the entry goes back to its queue."""
+        """Take this worker's devices for a gang node task (the control plane picks the best linked free set of
+        its healthy devices, as its heartbeat last reported them); False when too few are free now (a sibling lane
+        took them): the entry goes back to its queue."""
         job_id, _, node_rank = parse_node_task_id(entry)
         need = self.node_slots.get(entry)
         if self.machine is None or need is None:
             return True  # nothing to hold by (a test's bare offer): the node gets the whole worker, as before
-        with self.sessions() as db:
-            # Its GPUs' health as the heartbeat last reported it: one turned unhealthy is left out (worker/devices.py).
-            machine = devices.with_health(self.machine, devices.reported_health(
-                workers.device_rows(db, worker_id=self.offer.id)))
-            free = {d.index for d in machine.devices} - set(holds.held(db, worker_id=self.offer.id))
-            chosen = placement.choose(machine, free, need)
-            if chosen is None:
-                log.info("job %s: %d of %d devices free on %s now; its node task goes back", job_id, len(free), need,
-                         self.offer.id)
-                return False
-            return holds.take(db, worker_id=self.offer.id, job_id=job_id, node_rank=node_rank, devices=list(chosen))
+        held = self.calls().call("node_hold", {"worker_id": self.offer.id, "job_id": job_id, "node_rank": node_rank,
+                                               "slots": need})
+        if not held["taken"]:
+            log.info("job %s: its node task goes back (%s)", job_id, held.get("reason"))
+        else:
+            log.info("job %s: node %d takes device(s) %s of %s", job_id, node_rank, held.get("devices"),
+                     self.offer.id)
+        return held["taken"]
 
-    def takes(self, db: Session, entry_ids: list[str]) -> tuple[list[str], list[str]]:
-        """The stale gang node tasks (their attempt gone by), and those this worker would take, in queue order.
+    def takes(self, entry_ids: list[str]) -> tuple[list[str], list[str]]:
+        """The stale gang node tasks (their attempt gone by), and those this worker would take, in queue order
+        (the control plane's `node_tasks` call judges them against this worker's row).
 
         A node task is looked at every pass: whether its gang still forms changes.
         """
-        keys = {e: parse_node_task_id(e) for e in entry_ids}
-        rows = jobs.dispatch_view(db, job_ids={k[0] for k in keys.values() if k})
-        # A node of a gang is a machine: a shared worker that runs one node of a job takes no other node of it.
-        here = {job for job, _ in holds.held(db, worker_id=self.offer.id).values()} if self.shared else set()
-        stale, chosen = [], []
-        for entry, key in keys.items():
-            row = rows.get(key[0]) if key else None
-            if row is None or row.status != JobStatus.STARTING or row.attempt != key[1]:
-                stale.append(entry)
-            elif key[0] in here:
-                continue
-            elif fit.misfit(need := fit.need_of(row.spec, row.plan), self.offer) is None:
-                self.node_slots[entry] = need.slots
-                chosen.append(entry)
-        return stale, chosen
+        answer = self.calls().call("node_tasks", {"worker_id": self.offer.id, "entries": entry_ids})
+        for found in answer["fits"]:
+            self.node_slots[found["entry"]] = found["slots"]
+        return answer["stale"], [found["entry"] for found in answer["fits"]]
 
 
 class FittingQueue(Queue):
@@ -167,10 +149,9 @@ class FittingQueue(Queue):
             return None
         with cls.taker.taking():
             try:
-                with cls.taker.sessions() as db:
-                    stale, wanted = cls.taker.takes(db, ids)
-            except UNREACHABLE:  # take nothing while the database is out: a claim could not be made anyway
-                log.warning("the database is out of reach; taking no job until it is back")
+                stale, wanted = cls.taker.takes(ids)
+            except (Unreachable, Refused) as exc:  # take nothing while the control plane is away: nor could a claim
+                log.warning("the control plane did not answer on the gang's node tasks (%s); taking none now", exc)
                 return None
             cls._remove_stale(stale, queue, connection, job_class, serializer)
             return cls._take(wanted, queue, connection, job_class, serializer)
@@ -275,8 +256,8 @@ class FittingQueue(Queue):
                 continue
             try:
                 held = cls.taker.hold(entry)
-            except UNREACHABLE:
-                log.warning("the database is out of reach; node task %s goes back to its queue", entry)
+            except (Unreachable, Refused) as exc:
+                log.warning("the control plane did not answer (%s); node task %s goes back to its queue", exc, entry)
                 held = False
             if not held:
                 connection.lpush(queue.key, entry)  # back at the head, for a worker (or a later pass) with room

@@ -168,10 +168,12 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     offer = probe(settings, name=name, labels={**support.labels(), REDIS_AUTH_LABEL: "none" if redis_open else
                                                "password"})
     worker.agent.offer = offer  # each work-horse inherits it (gang endpoints, busy slots)
-    engine = make_engine(settings.resolved_database_url, application_name=name)  # the sweeper ends them if frozen
-    # NOTE: a forked work-horse must never use (or close) the pooled connections it inherited.
-    os.register_at_fork(after_in_child=lambda: engine.dispose(close=False))
-    sessions = make_sessionmaker(engine)
+    engine = sessions = None  # a joined worker holds no database URL: it reaches the database through the API
+    if own is None:
+        engine = make_engine(settings.resolved_database_url, application_name=name)  # the sweeper ends frozen ones'
+        # NOTE: a forked work-horse must never use (or close) the pooled connections it inherited.
+        os.register_at_fork(after_in_child=lambda: engine.dispose(close=False))
+        sessions = make_sessionmaker(engine)
     disk = DiskWatch(settings)
     FittingQueue.taker = Taker(sessions, offer, settings, pressure=disk.pressure)
     redis = Redis.from_url(settings.redis_url)
@@ -211,7 +213,8 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
             lanes.wait()
     finally:
         stop_heartbeat()
-        engine.dispose()
+        if engine is not None:
+            engine.dispose()
 
 
 class Lanes:

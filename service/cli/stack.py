@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # every write of a worker goes through the worker protocol (docs/architecture.md "The worker protocol", step 6).
 JOIN = False
 REDIS_PASSWORD_FILE = "redis.password"  # in the secrets dir: the password of the Redis `up` starts itself
+JOIN_TOKEN_FILE = "workers.join-token"  # in the secrets dir: the join token `up` made for its workers
 
 
 def redis_reachable(url: str) -> bool:
@@ -81,7 +82,7 @@ class Stack:
         # Issue 42: its workers join the API over loopback with a join token made at start, as a GPU machine joins
         # a pool, and hold no database URL (False: they write the database themselves, as before).
         self.join = join
-        self.join_token: str | None = None
+        self.join_token: Path | None = None  # the file holding it
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.output = subprocess.DEVNULL if quiet else None
         self.api_url = f"http://{host}:{port}"
@@ -138,9 +139,10 @@ class Stack:
         path = self.settings.admin_token_file
         return self.new_admin_token or (path.read_text().strip() if path.is_file() else None)
 
-    def _make_join_token(self) -> str:
+    def _make_join_token(self) -> Path:
         """A join token for this stack's workers (any number of them, for a day: `add_workers` may start more),
-        made in the database before the API starts, as the admin token is."""
+        made in the database before the API starts, as the admin token is, and written to a file of the secrets
+        dir (0600) that the workers read: never in a process's environment, which /proc keeps for its life."""
         engine = make_engine(self.settings.resolved_database_url)
         try:
             with make_sessionmaker(engine)() as db:
@@ -149,14 +151,16 @@ class Stack:
                 db.commit()
         finally:
             engine.dispose()
-        return secret
+        path = self.settings.resolved_secrets_dir / JOIN_TOKEN_FILE
+        tokens.write_secret(path, secret)
+        return path
 
     def worker_env(self) -> dict[str, str]:
         """What a worker of this stack is given on top of env(): where to join, and no database URL (it reaches
         the database only through the API)."""
         if not self.join:
             return {}
-        return {"TRAINJOBS_WORKER_API": self.api_url, "TRAINJOBS_WORKER_JOIN_TOKEN": self.join_token or "",
+        return {"TRAINJOBS_WORKER_API": self.api_url, "TRAINJOBS_JOIN_TOKEN_FILE": str(self.join_token or ""),
                 "TRAINJOBS_DATABASE_URL": ""}
 
     def add_workers(self, n: int, args: list[str] | None = None, env: dict[str, str] | None = None

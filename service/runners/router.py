@@ -20,7 +20,7 @@ from service.db import utcnow
 from service.deps import RedisDep, SessionDep, SettingsDep
 from service.errors import Forbidden, NotFound
 from service.jobs import lifecycle
-from service.runners import assign_calls, attempt_calls, credentials, protocol, ship_calls  # noqa: F401 (they register)
+from service.runners import calls, credentials, protocol  # noqa: F401 (calls: every call registers)
 from service.runners.credentials import Runner
 from service.runners.models import Credential, JoinToken
 from service.workers import service as workers
