@@ -34,4 +34,18 @@ if [[ "$refusal" != *"Missing mandatory value"*TRAINJOBS_DATABASE_URL* ]]; then
 fi
 TRAINJOBS_DATABASE_URL="${TRAINJOBS_DATABASE_URL:-postgresql+psycopg://trainjobs:placeholder@postgres:5432/trainjobs}" \
   "$VENV/bin/docker-compose" -f "$FILE" config -q
+# The worker, where users' code runs, holds no database URL (issue 42): it joins the API with a credential.
+rendered="$(TRAINJOBS_DATABASE_URL=postgresql+psycopg://trainjobs:placeholder@postgres:5432/trainjobs \
+  "$VENV/bin/docker-compose" -f "$FILE" config)"
+"$VENV/bin/python" - "$rendered" <<'PY'
+import sys, yaml
+services = yaml.safe_load(sys.argv[1])["services"]
+worker = services["worker"]
+env = worker.get("environment") or {}
+assert "TRAINJOBS_DATABASE_URL" not in env, "the worker service must not be given TRAINJOBS_DATABASE_URL"
+assert "postgres_password" not in [s if isinstance(s, str) else s["source"] for s in worker.get("secrets", [])]
+assert env.get("TRAINJOBS_WORKER_API"), "the worker service joins the API: TRAINJOBS_WORKER_API"
+assert "TRAINJOBS_DATABASE_URL" in services["api"]["environment"]
+PY
+echo "ok: the worker service holds no database URL and joins the API"
 echo "ok: $FILE is valid for docker-compose $("$VENV/bin/docker-compose" version --short)"
