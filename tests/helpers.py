@@ -47,7 +47,7 @@ def count_jobs(url: str) -> int:
 
 @contextmanager
 def live_stack(postgres_url: str, data_dir: Path, *, name: str, workers: int = 1, join: bool | None = None,
-               **overrides):
+               api_workers: int = 1, **overrides):
     """A real API and real workers on PostgreSQL and the test Redis, with quick supervision settings; `join`:
     whether its workers join the API with no database URL (None: as `trainjobs up` does)."""
     from service.cli.stack import JOIN, Stack
@@ -60,7 +60,8 @@ def live_stack(postgres_url: str, data_dir: Path, *, name: str, workers: int = 1
     settings = Settings(**{"data_dir": data_dir, "database_url": postgres_url, "redis_url": REDIS_URL,
                            "queue_prefix": f"{QUEUE_PREFIX}{name}", "cancel_grace_s": 3, "poll_s": 0.2,
                            "worker_max_jobs": 1, **overrides})
-    with Stack(settings, port=free_port(), workers=workers, join=JOIN if join is None else join) as stack:
+    with Stack(settings, port=free_port(), workers=workers, join=JOIN if join is None else join,
+               api_workers=api_workers) as stack:
         yield stack
 
 
