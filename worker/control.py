@@ -148,13 +148,6 @@ class ApiControl:
         body = {"worker_id": worker_id, "draining": draining, "pressure": pressure, "devices": devices}
         return self._post("/v1/worker/heartbeat", body).json()["registered"]
 
-    def renew(self, *, job_id: str, attempt: int, node_rank: int) -> dict | None:
-        """One attempt's lease renewed by the API (the database's clock): what its job asks of it (as
-        lifecycle.Held's fields), or None once the attempt lost its job."""
-        body = {"attempts": [{"job_id": job_id, "attempt": attempt, "node_rank": node_rank}]}
-        [lease] = self._post("/v1/worker/leases", body).json()["leases"]
-        return lease["held"]
-
     def close(self) -> None:
         self.client.close()
 

@@ -134,6 +134,23 @@ class Supervisor:
         except (worker_control.Unreachable, worker_control.Refused) as exc:  # only what the job page shows
             log.warning("attempt %s: its phase %r was not written (%s)", self.tag, phase, exc)
 
+    def _running(self, pid: int) -> bool:
+        """starting → running (the `running` call); while the control plane does not answer, tried again as long as
+        the lease may still hold (the ranks train meanwhile); False once the job moved on, or past the lease."""
+        wait = 0.5
+        while True:
+            try:
+                return self.control.call("running", {"job_id": self.job_id, "attempt": self.attempt,
+                                                     "detail": f"torchrun pid {pid}"})["running"]
+            except worker_control.Unreachable as exc:
+                if self.lease.expired or self.lease.lost:
+                    return False
+                log.warning("attempt %s: the control plane did not take 'running' (%s); again in %.1fs", self.tag,
+                            exc, wait)
+                self.lease.tick()
+                time.sleep(wait)
+                wait = min(5.0, wait * 2)
+
     def _launch(self, *, job_dir: Path, code: prepare.Code, python: str) -> Outcome:
         plan = prepare.render(self.spec, self.settings, job_id=self.job_id, attempt=self.attempt, run_dir=self.run_dir,
                               job_dir=job_dir, python=python, code=code, placed=self.placed, gang=self.gang)
@@ -153,8 +170,7 @@ class Supervisor:
         self.watch.launched()
         try:
             # A gang turned running when it formed (worker/gang.py).
-            moved = self.gang is not None or self.control.call("running", {
-                "job_id": self.job_id, "attempt": self.attempt, "detail": f"torchrun pid {proc.pid}"})["running"]
+            moved = self.gang is not None or self._running(proc.pid)
             exit_code, stop_reason, killed = self._watch(launched, None if moved else "lost")
             if left := procs.find():  # torchrun is gone: ranks or their helpers outlived it
                 log.warning("attempt %s: %d process(es) outlived torchrun; stopping them", self.tag, len(left))
