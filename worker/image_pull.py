@@ -44,7 +44,7 @@ class ForJob:
         """The attempt's pull, reaching the control plane as its lease does (the API, or the database)."""
         if lease is None:
             return None
-        control = lease.api or worker_control.DatabaseControl(lease.sessions, settings)
+        control = lease.control  # the supervisor's, which its lease renews through
         return cls(control, settings, job_id=lease.job_id, attempt=lease.attempt, node_rank=lease.node_rank,
                    lease=lease)
 

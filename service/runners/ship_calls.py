@@ -9,6 +9,7 @@ and applied once. Every list and string of a body is bounded (DESIGN.md rule 5):
 these bounds (worker/attempt/ship.py), and a body past them is a 422 naming the field.
 """
 
+from datetime import datetime
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
@@ -65,10 +66,10 @@ class Stacks(BaseModel):
     time)."""
 
     reason: Literal["hang", "requested"]
-    taken_at: str = Field(max_length=64)
+    taken_at: datetime
     ranks: list[RankStack] = Field(max_length=STACK_RANKS_MAX)
     message: str | None = Field(None, max_length=NOTE_MAX)
-    requested_at: str | None = Field(None, max_length=64)
+    requested_at: datetime | None = None
 
 
 class Progress(BaseModel):
@@ -179,7 +180,7 @@ def _apply(db: Session, body: ShipBody, held: lifecycle.Held) -> None:
         records.add_warning(db, job_id=job_id, warning=warning.model_dump())
     if body.stacks is not None:
         records.record_stacks(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
-                              stacks=body.stacks.model_dump(exclude_none=True))
+                              stacks=body.stacks.model_dump(mode="json", exclude_none=True))
     if body.samples:
         metrics.replace_samples(db, job_id=job_id, attempt=attempt, node_rank=node_rank,
                                 rows=metrics.shipped_rows(body.samples))
