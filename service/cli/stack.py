@@ -33,9 +33,9 @@ KEEP_ALIVE_S = 75
 
 log = logging.getLogger(__name__)
 
-# Issue 42: a stack's workers join its API with a credential of their own instead of the database's URL. Off until
-# every write of a worker goes through the worker protocol (docs/architecture.md "The worker protocol", step 6).
-JOIN = False
+# Issue 42: a stack's workers join its API with a credential of their own instead of the database's URL, as a GPU
+# machine joins a pool (docs/architecture.md "The worker protocol"); Stack(join=False) starts database workers.
+JOIN = True
 REDIS_PASSWORD_FILE = "redis.password"  # in the secrets dir: the password of the Redis `up` starts itself
 JOIN_TOKEN_FILE = "workers.join-token"  # in the secrets dir: the join token `up` made for its workers
 
