@@ -1,8 +1,6 @@
 """A stack whose workers join its API (issue 42): they hold no database URL and open no database connection,
 yet run a DDP job and a two-node gang to the end, with their logs and metrics, as a database worker did."""
 
-import re
-
 import psutil
 import pytest
 from sqlalchemy import create_engine, text
@@ -70,10 +68,7 @@ def test_two_api_processes_one_killed_mid_run_lose_and_double_nothing(postgres_u
     """Two API processes behind one port (uvicorn --workers 2, as the compose file runs them); one is SIGKILLed
     while a joined worker's job ships: the calls it was answering are sent again to the other, each applied once,
     and the job ends with every line and step exactly once."""
-    from collections import Counter
-
-    from tests.helpers import wait_terminal
-    from tests.test_worker_ship import LINES, NUMBERED, points_of
+    from tests.test_worker_ship import NUMBERED, assert_each_line_and_step_once, start_numbered
 
     scripts = tmp_path / "scripts"
     scripts.mkdir()
@@ -81,19 +76,9 @@ def test_two_api_processes_one_killed_mid_run_lose_and_double_nothing(postgres_u
     with live_stack(postgres_url, tmp_path / "stack", name="twoapi", workers=1, join=True, api_workers=2,
                     lease_s=90, allow_entrypoints=True, scripts_dir=scripts) as stack:
         with stack.client(timeout=10) as api:
-            spec = mlp_spec(model=None, data=None, entrypoint={"script": "numbered.py"},
-                            resources={"nnodes": 1, "nproc_per_node": 1, "device": "cpu"})
-            job_id = api.post("/v1/jobs", json=spec).json()["id"]
-            wait_for(lambda: "numbered line 30\n" in api.get(f"/v1/jobs/{job_id}/logs").text
-                     or api.get(f"/v1/jobs/{job_id}").json()["status"] in ("failed", "cancelled"), 180,
-                     what="the job to ship its first lines")
+            job_id = start_numbered(api)
             [top] = [psutil.Process(p.pid) for name, p in stack.procs if name == "api"]
             serving = [c for c in top.children() if "spawn_main" in " ".join(c.cmdline())]
             assert len(serving) == 2, [c.cmdline() for c in top.children()]
             serving[0].kill()
-            job = wait_terminal(api, job_id, timeout=240)
-            log = api.get(f"/v1/jobs/{job_id}/logs").text
-            points = points_of(api, job_id)
-    assert job["status"] == "succeeded" and job["attempt"] == 1, job
-    assert Counter(re.findall(r"numbered line (\d+)\n", log)) == {str(i): 1 for i in range(LINES)}
-    assert {step: n for (name, step), n in points.items() if name == "loss"} == {i: 1 for i in range(LINES)}
+            assert_each_line_and_step_once(api, job_id)

@@ -196,18 +196,29 @@ def test_a_joined_worker_s_job_keeps_every_line_and_step_exactly_once_across_an_
                                       "TRAINJOBS_WORKER_CREDENTIAL_FILE": str(tmp_path / "cred")})
             wait_for(lambda: any(w["id"] == "gpu-7" for w in api.get("/v1/workers").json()["items"]), 120,
                      what="the joined worker to register through the API")
-            spec = mlp_spec(model=None, data=None, entrypoint={"script": "numbered.py"},
-                            resources={"nnodes": 1, "nproc_per_node": 1, "device": "cpu"})
-            job_id = api.post("/v1/jobs", json=spec).json()["id"]
-            wait_for(lambda: "numbered line 30\n" in api.get(f"/v1/jobs/{job_id}/logs").text
-                     or api.get(f"/v1/jobs/{job_id}").json()["status"] in ("failed", "cancelled"), 180,
-                     what="the job to ship its first lines")
-            assert "numbered line 30\n" in api.get(f"/v1/jobs/{job_id}/logs").text, api.get(f"/v1/jobs/{job_id}").json()
+            job_id = start_numbered(api)
         restart_api(stack, down_s=2)
         with stack.client(timeout=10) as api:
-            job = wait_terminal(api, job_id, timeout=240)
-            log = api.get(f"/v1/jobs/{job_id}/logs").text
-            points = points_of(api, job_id)
+            assert_each_line_and_step_once(api, job_id)
+
+
+def start_numbered(api) -> str:
+    """Submit the numbered script (the scripts dir holds it as numbered.py) and wait until it has shipped lines."""
+    spec = mlp_spec(model=None, data=None, entrypoint={"script": "numbered.py"},
+                    resources={"nnodes": 1, "nproc_per_node": 1, "device": "cpu"})
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    wait_for(lambda: "numbered line 30\n" in api.get(f"/v1/jobs/{job_id}/logs").text
+             or api.get(f"/v1/jobs/{job_id}").json()["status"] in ("failed", "cancelled"), 180,
+             what="the job to ship its first lines")
+    assert "numbered line 30\n" in api.get(f"/v1/jobs/{job_id}/logs").text, api.get(f"/v1/jobs/{job_id}").json()
+    return job_id
+
+
+def assert_each_line_and_step_once(api, job_id: str) -> None:
+    """The numbered job succeeded on its first attempt with every line and every step stored exactly once."""
+    job = wait_terminal(api, job_id, timeout=240)
+    log = api.get(f"/v1/jobs/{job_id}/logs").text
+    points = points_of(api, job_id)
     assert job["status"] == "succeeded" and job["attempt"] == 1, job
     assert Counter(re.findall(r"numbered line (\d+)\n", log)) == {str(i): 1 for i in range(LINES)}
     assert {step: n for (name, step), n in points.items() if name == "loss"} == {i: 1 for i in range(LINES)}
