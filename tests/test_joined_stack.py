@@ -81,4 +81,5 @@ def test_two_api_processes_one_killed_mid_run_lose_and_double_nothing(postgres_u
             serving = [c for c in top.children() if "spawn_main" in " ".join(c.cmdline())]
             assert len(serving) == 2, [c.cmdline() for c in top.children()]
             serving[0].kill()
+        with stack.client(timeout=10) as api:  # a new connection: the test's own one was to the killed process
             assert_each_line_and_step_once(api, job_id)
