@@ -6,11 +6,12 @@ devices freed, a worker ready: queue.kick) or every sweep_s:
 1. earlier assignments settled (scheduling/assign.py `verdict`): a claimed job's row is done; one unclaimed after
    two passes, whose worker is lost or that was given back is undone (its unclaimed holds released, its entry
    back at the head of its priority queue) and planned again;
-2. one `policy.plan` on the pool's snapshot (the queued jobs with an entry on a priority queue, none assigned);
+2. one `policy.plan` on the pool's snapshot (the queued jobs none assigned; only those with an entry on a priority
+   queue are assigned);
 3. each job it starts now: its devices picked, its assignment and holds written (one transaction, a
    compare-and-set), then its entry moved from its priority queue onto its worker's own queue (one Lua step);
 4. the same plan's pending reasons, estimates and preemptions written (jobs/pending.py `apply`; every sweep_s,
-   not at each kick).
+   not at each kick), and its queue view stored in Redis for GET /v1/queue (scheduling/queue_view.py; every pass).
 
 Workers read no pool and run no plan: a lane pops its worker's own queue and only checks that the job still fits
 (service/runners/assign_calls.py). The claim's compare-and-set still decides who runs a job.
@@ -27,7 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE, utcnow
 from service.jobs import pending, queue
-from service.scheduling import assign, policy
+from service.scheduling import assign, policy, queue_view
 from service.scheduling import service as scheduling
 from service.settings import Settings
 from service.workers import holds
@@ -61,11 +62,12 @@ def run_pass(db: Session, redis: Redis, settings: Settings, *, cache: MutableMap
     standing = settle(db, redis, settings, report, entries=entries, live=live,
                       unclaimed_s=settings.sweep_s if unclaimed_s is None else unclaimed_s)
     t1 = time.perf_counter()
-    snap = assign.for_pass(scheduling.snapshot(db, settings, cache=cache), entries=entries, standing=standing)
+    full = scheduling.snapshot(db, settings, cache=cache)
+    snap = assign.for_pass(full, standing=standing)
     t2 = time.perf_counter()
     report.plan = plan = policy.plan(snap)
     t3 = time.perf_counter()
-    placed = assign.placements(db, snap, plan)
+    placed = assign.placements(db, snap, plan, entries=entries)
     t4 = time.perf_counter()
     recorded = assign.record(db, placed, number=report.number)
     moved = queue.hand_to_workers(redis, prefix=prefix, moves=[(p.job_id, p.priority, p.worker_id) for p in recorded])
@@ -82,8 +84,12 @@ def run_pass(db: Session, redis: Redis, settings: Settings, *, cache: MutableMap
         pending.apply(db, plan)
         db.commit()
     t6 = time.perf_counter()
+    view = queue_view.render(full, plan, policy_name=settings.scheduler_policy, planned_by="pass",
+                             number=report.number, assigned=[o.job_id for o in standing if o.node_rank == 0])
+    queue_view.store(redis, prefix=prefix, view=view, ttl_s=queue_view.ttl_of(settings))
+    t7 = time.perf_counter()
     report.seconds = {"settle": t1 - t0, "snapshot": t2 - t1, "plan": t3 - t2, "place": t4 - t3,
-                      "assign": t5 - t4, "reasons": t6 - t5}
+                      "assign": t5 - t4, "reasons": t6 - t5, "view": t7 - t6}
     return report
 
 

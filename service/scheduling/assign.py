@@ -103,10 +103,11 @@ def forget(db: Session, row: Open, *, release: bool) -> None:
         holds.release_pending(db, worker_id=row.worker_id, job_id=row.job_id, node_rank=row.node_rank)
 
 
-def for_pass(snap: policy.Snapshot, *, entries: Collection[str], standing: Sequence[Open]) -> policy.Snapshot:
-    """The snapshot this pass plans: only queued jobs with an entry on a priority queue (one being claimed, or
-    lost with Redis until the reconciler enqueues it again, holds no worker), none already assigned; and an
-    assignment that holds no devices (its worker's devices unknown) still fills its worker."""
+def for_pass(snap: policy.Snapshot, *, standing: Sequence[Open]) -> policy.Snapshot:
+    """The snapshot this pass plans: the queued jobs none assigned already (one being claimed is); and an
+    assignment that holds no devices (its worker's devices unknown) still fills its worker. A job with no entry on
+    a priority queue (lost with Redis until the reconciler enqueues it again, or before its submission's enqueue)
+    is planned, so its reason, its place and its reservation show, but not assigned (`placements`)."""
     assigned = {o.job_id for o in standing}
     needs = {w.id: w.need.slots for w in snap.waiting}
     bare: dict[str, tuple[str, int]] = {}
@@ -122,7 +123,7 @@ def for_pass(snap: policy.Snapshot, *, entries: Collection[str], standing: Seque
                 dataclasses.replace(node, room=max(0, node.room - slots))
         nodes.append(node)
     return dataclasses.replace(snap, nodes=nodes,
-                               waiting=[w for w in snap.waiting if w.id in entries and w.id not in assigned])
+                               waiting=[w for w in snap.waiting if w.id not in assigned])
 
 
 def pick(machine: placement.Machine, free: set[int], need: int, job_id: str, kept: Mapping[str, tuple[int, ...]],
@@ -186,10 +187,11 @@ class _Devices:
         return tuple(chosen)
 
 
-def placements(db: Session, snap: policy.Snapshot, plan: policy.Plan) -> list[Placed]:
-    """The jobs the plan starts now, each on its first worker (node 0; a gang's other nodes join through the gang
-    queue's node tasks, as before) with the devices placement picks there."""
-    starting = [p for p in plan.order if p.workers and p.reason is None]
+def placements(db: Session, snap: policy.Snapshot, plan: policy.Plan, *, entries: Collection[str]) -> list[Placed]:
+    """The jobs the plan starts now that wait on a priority queue (`entries`: the pass moves their entry), each on
+    its first worker (node 0; a gang's other nodes join through the gang queue's node tasks, as before) with the
+    devices placement picks there."""
+    starting = [p for p in plan.order if p.workers and p.reason is None and p.job_id in entries]
     devices = _Devices(db, plan, snap, {p.workers[0] for p in starting})
     out = []
     for p in starting:

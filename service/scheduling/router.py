@@ -1,21 +1,22 @@
 """/v1/queue (the waiting jobs in the order they would start, and why), /v1/teams and PATCH /v1/users/{name}."""
 
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from service.auth.deps import AdminDep, PrincipalDep
 from service.auth.models import User
-from service.deps import SessionDep, SettingsDep
+from service.deps import RedisDep, SessionDep, SettingsDep
 from service.errors import NotFound, responses
 from service.jobs.models import Job
 from service.lists import Listing
-from service.scheduling import policy
+from service.scheduling import queue_view
 from service.scheduling import service as scheduling
 from service.scheduling.models import Team
+from trainjobs.states import JobStatus
 
 router = APIRouter(prefix="/v1", tags=["scheduling"])
 Name = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]*$")]
@@ -59,6 +60,10 @@ class Reserved(BaseModel):
 
 class QueuePublic(BaseModel):
     policy: str
+    planned_at: datetime = Field(description="when the plan this answer shows was made")
+    planned_by: Literal["pass", "request"] = Field(description="pass: the scheduling pass's plan, the one it "
+                                                   "assigns by; request: no fresh pass result, planned for this "
+                                                   "request alone")
     waiting: int = Field(description="every queued job (planned: at most the oldest 2,000)")
     jobs: list[QueuedJob] = Field(description="yours (every job, for an admin), in the order they would start")
     others_waiting: int = Field(description="queued jobs of other users, counted only")
@@ -72,34 +77,36 @@ def _when(t: float | None) -> datetime | None:
 
 
 @router.get("/queue", response_model=QueuePublic)
-def read_queue(db: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> QueuePublic:
-    snap = scheduling.snapshot(db, settings)
-    plan = policy.plan(snap)
+def read_queue(db: SessionDep, redis: RedisDep, settings: SettingsDep, principal: PrincipalDep) -> QueuePublic:
+    """The last scheduling pass's plan (queue_view.py), filtered for the caller; without a fresh one, one plan
+    on this request's snapshot."""
+    view = queue_view.load(redis, prefix=settings.queue_prefix)
+    if view is None:
+        view = queue_view.plan_now(db, settings)
+    elif (newest := db.scalar(select(func.max(Job.queued_at)).where(Job.status == JobStatus.QUEUED))) is not None:
+        view = queue_view.wait_newer(redis, prefix=settings.queue_prefix, view=view, after=newest.timestamp())
     admin = principal.role == "admin"
-    mine = [p for p in plan.order if admin or p.owner == principal.user]
-    names = {r.id: r.name for r in db.execute(select(Job.id, Job.name).where(Job.id.in_([p.job_id for p in mine])))}
-    priorities = {j.id: j.priority for j in snap.waiting}
-    first = next((p.position for p in plan.order if p.owner == principal.user), None)
-    others = [p for p in plan.order if p.owner != principal.user]
-    account = snap.accounts.get(principal.user) or policy.Account()
-    team = policy.team_of(principal.user, snap.accounts)
-    you = Standing(user=principal.user, team=account.team, weight=account.weight, max_slots=account.max_slots,
-                   usage_device_hours=snap.usage.get(principal.user, 0.0) / HOUR,
-                   share=plan.shares.get(principal.user, 0.0) / HOUR,
-                   team_share=plan.team_shares.get(team, 0.0) / HOUR if account.team else None)
-    owners = {j.id: j.owner for j in snap.waiting}
-    reservations = [Reserved(job_id=r.job_id if admin or owners.get(r.job_id) == principal.user else None,
-                             workers=len(r.workers), held=r.held, fill_by=_when(r.fill_at),
-                             deadline=_when(r.deadline), devices={w: list(d) for w, d in r.devices.items()})
-                    for r in plan.reservations]
+    jobs, shares, usage = view["jobs"], view["shares"], view["usage"]
+    mine = [j for j in jobs if admin or j["owner"] == principal.user]
+    names = {r.id: r.name for r in db.execute(select(Job.id, Job.name).where(Job.id.in_([j["id"] for j in mine])))}
+    first = next((j["position"] for j in jobs if j["owner"] == principal.user), None)
+    others = [j for j in jobs if j["owner"] != principal.user]
+    team, weight, max_slots = view["accounts"].get(principal.user) or [None, 1.0, None]
+    you = Standing(user=principal.user, team=team, weight=weight, max_slots=max_slots,
+                   usage_device_hours=usage.get(principal.user, 0.0) / HOUR,
+                   share=shares.get(principal.user, 0.0) / HOUR,
+                   team_share=view["team_shares"].get(team, 0.0) / HOUR if team else None)
+    reservations = [Reserved(job_id=r["job_id"] if admin or r["owner"] == principal.user else None,
+                             workers=r["workers"], held=r["held"], fill_by=_when(r["fill_at"]),
+                             deadline=_when(r["deadline"]), devices=r["devices"]) for r in view["reservations"]]
     return QueuePublic(
-        policy=settings.scheduler_policy, waiting=len(plan.order),
-        jobs=[QueuedJob(position=p.position, id=p.job_id, name=names.get(p.job_id, ""), owner=p.owner,
-                        priority=priorities.get(p.job_id, "normal"), reason=p.reason,
-                        estimated_start=_when(p.estimated_start),
-                        owner_usage_device_hours=snap.usage.get(p.owner, 0.0) / HOUR,
-                        owner_share=plan.shares.get(p.owner, 0.0) / HOUR) for p in mine],
-        others_waiting=len(others), others_ahead=sum(1 for p in others if first is None or p.position < first),
+        policy=view["policy"], planned_at=_when(view["planned_at"]), planned_by=view["planned_by"],
+        waiting=len(jobs),
+        jobs=[QueuedJob(position=j["position"], id=j["id"], name=names.get(j["id"], ""), owner=j["owner"],
+                        priority=j["priority"], reason=j["reason"], estimated_start=_when(j["estimated_start"]),
+                        owner_usage_device_hours=usage.get(j["owner"], 0.0) / HOUR,
+                        owner_share=shares.get(j["owner"], 0.0) / HOUR) for j in mine],
+        others_waiting=len(others), others_ahead=sum(1 for j in others if first is None or j["position"] < first),
         you=you, reservations=reservations)
 
 
