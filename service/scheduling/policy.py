@@ -41,7 +41,7 @@ compare-and-set decides races.
 """
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from service.scheduling.pool import (
@@ -59,13 +59,11 @@ from service.scheduling.pool import (
     Team,
     Waiting,
     device_noun,
-    nvlink_preference,
-    whole_island,
 )
 from service.scheduling.preemption import preempt
 from service.scheduling.reservations import held_count, held_devices, reserve, shown
+from service.scheduling.room import Fitting, Room
 from service.scheduling.waiting import estimate, free_by_eta, wait_reason
-from service.workers import fit
 
 # The policy's whole vocabulary, so that its callers need one import (the types live in pool.py).
 __all__ = ["CHARGE_CAP_S", "PRIORITY_RANK", "Account", "Node", "Place", "Plan", "Preemption", "Reservation",
@@ -85,52 +83,6 @@ def team_of(owner: str, accounts: Mapping[str, Account]) -> str:
     """The owner's team; a user without one is a team of one (named by the user, marked so no team clashes)."""
     team = accounts.get(owner, Account()).team
     return team if team else f"user:{owner}"
-
-
-class _Fitting:
-    """The live workers that fit a need, in the snapshot's order: computed once per distinct need in a plan.
-
-    Hundreds of waiting jobs share a handful of needs; calling fit.misfit for every job × worker in each of
-    plan's passes was most of its time (bench/scheduler_sim.py).
-
-    A one-node job that fills an NVLink island gets only the workers with one while a live one fits it
-    (pool.whole_island, Settings.nvlink_whole_jobs): so its place, its preemptions (preemption.py) and its
-    estimate all wait for NVLink alike, and so would a reservation (reservations.py: gangs, which it spares)."""
-
-    def __init__(self, nodes: Sequence[Node], whole_islands: bool = True) -> None:
-        self.nodes = nodes
-        self.whole_islands = whole_islands
-        self.cache: dict[tuple, list[Node]] = {}
-        self.cache_by_id: dict[tuple, list[Node]] = {}
-        self.left_out: dict[tuple, int] = {}  # need -> workers that fit it but lack the island it waits for
-
-    @staticmethod
-    def key(need: fit.Need) -> tuple:
-        return (need.device, need.slots, need.memory_bytes, need.memory_device, tuple(sorted(need.labels.items())),
-                need.pip, need.entrypoint, need.nodes)
-
-    def __call__(self, need: fit.Need) -> list[Node]:
-        key = self.key(need)
-        found = self.cache.get(key)
-        if found is None:
-            found = [n for n in self.nodes if fit.misfit(need, n) is None]
-            if self.whole_islands and (narrowed := whole_island(need, found)) is not None:
-                self.left_out[key] = len(found) - len(narrowed)
-                found = narrowed
-            self.cache[key] = found
-        return found
-
-    def island_wait(self, need: fit.Need) -> bool:
-        """Whether the job waits for an NVLink island that some worker fitting it otherwise lacks."""
-        self(need)
-        return self.left_out.get(self.key(need), 0) > 0
-
-    def by_id(self, need: fit.Need) -> list[Node]:
-        key = self.key(need)
-        found = self.cache_by_id.get(key)
-        if found is None:
-            found = self.cache_by_id[key] = sorted(self(need), key=lambda n: n.id)
-        return found
 
 
 def order(snap: Snapshot) -> list[Waiting]:
@@ -188,47 +140,11 @@ def _fair_order(jobs: list[Waiting], snap: Snapshot) -> list[Waiting]:
     return out
 
 
-class _Room:
-    """Each live worker's free slots as the plan hands them out, and those of them held for a gang."""
-
-    def __init__(self, nodes: Sequence[Node]) -> None:
-        self.nodes = {n.id: n for n in nodes}
-        self.free = {n.id: n.free_slots for n in nodes}
-        self.open = dict(self.free)  # free slots that no gang holds (a dict: plan reads it per job × worker)
-        self.reserved: dict[str, int] = defaultdict(int)  # held for a reservation: a job it lets may take them
-        self.why: dict[str, str] = {}  # worker -> why others may not take its held slots
-
-    def hold(self, w: str, slots: int, why: str, *, reservation: bool = False) -> None:
-        """Hold `slots` of w's open slots for a gang: a shared worker's other slots stay open (issue 30), a
-        worker of one job at a time is held whole."""
-        n = self.open[w] if self.nodes[w].room is None else min(self.open[w], slots)
-        if n > 0:
-            self.open[w] -= n
-            self.reserved[w] += n if reservation else 0
-            self.why[w] = why
-
-    def usable(self, w: str, let: bool) -> int:
-        """Slots a job may take on w: the open ones, and a reservation's held ones where it lets the job."""
-        return self.open[w] + (self.reserved[w] if let else 0)
-
-    def take(self, w: str, slots: int) -> None:
-        """A job placed on w takes its slots, the open ones first (a worker of one job at a time: all of them)."""
-        over = min(self.reserved[w], max(0, slots - self.open[w]))  # taken from a reservation that lets it
-        self.reserved[w] -= over
-        if self.nodes[w].room is None:
-            self.free[w] = self.open[w] = self.reserved[w] = 0
-        else:
-            self.free[w] -= slots
-            self.open[w] -= slots - over
-        if self.free[w] <= self.open[w]:  # nothing held any more
-            self.why.pop(w, None)
-
-
 def plan(snap: Snapshot) -> Plan:
     now, cfg = snap.now, snap.settings
     ordered = order(snap)
-    fitting = _Fitting(list(snap.nodes), cfg.nvlink_whole_jobs)
-    room = _Room(snap.nodes)
+    fitting = Fitting(list(snap.nodes), cfg.nvlink_whole_jobs)
+    room = Room(snap.nodes, fitting)
     kept: dict[str, dict[str, tuple[int, ...]]] = defaultdict(dict)  # worker -> job -> devices held for it
 
     # Slots held now, per user and per team, for quotas.
@@ -236,7 +152,8 @@ def plan(snap: Snapshot) -> Plan:
     held_team: dict[str, int] = defaultdict(int)
     for r in snap.running:
         held_user[r.owner] += r.slots * r.nodes
-        held_team[team_of(r.owner, snap.accounts)] += r.slots * r.nodes
+    for owner, slots in held_user.items():
+        held_team[team_of(owner, snap.accounts)] += slots
 
     # A forming gang holds the free slots it still needs (one node a worker), before anything else.
     for r in snap.running:
@@ -275,52 +192,31 @@ def plan(snap: Snapshot) -> Plan:
                 f" holding {shown(reservation, w, device_noun(job.need, node))}" if node.room is not None else "")
             room.hold(w, held_count(reservation, node), why, reservation=True)
 
-    # Assign in order, best fit; count the jobs still waiting ahead of each one, for its reason.
-    # Per set of workers that fit (jobs that compete for the same workers): the waiting ahead, by priority and by
-    # owner and priority.
-    waiting_by_fit: dict[frozenset[str], dict[tuple, int]] = defaultdict(lambda: defaultdict(int))
+    # Assign in order, best fit; a job that waits holds back the jobs behind it that compete for the same workers.
+    ahead = _Ahead()
     for job in ordered:
         if job.id in places:
             continue
         place = places[job.id] = Place(job.id, job.owner, 0, None)
-        fits = fitting.by_id(job.need)
-        fit_ids = frozenset(w.id for w in fits)
-        counts: dict[tuple, int] = defaultdict(int)
-        for ids, seen in waiting_by_fit.items():
-            if ids & fit_ids:
-                for key, n in seen.items():
-                    counts[key] += n
-        rank = PRIORITY_RANK.get(job.priority, 1)
-        own = counts["own", job.owner, job.priority]
-        ahead = (sum(n for key, n in counts.items() if key[0] == "at" and PRIORITY_RANK.get(key[1], 1) < rank),
-                 counts["at", job.priority] - own, own)
+        view = room.view(job.need)
         if job.not_before is not None and job.not_before > now:
             place.reason = f"retry backoff until {_iso(job.not_before)}"
-        elif len(fits) < job.need.nodes:
-            place.reason = fit.pending_reason(job.need, list(snap.nodes)) or "no live worker fits"
+        elif len(view.fits) < job.need.nodes:
+            place.reason = fitting.misfit_reason(job.need) or "no live worker fits"
         elif (why := _quota_block(job, snap, held_user, held_team)) is not None:
             place.reason = why
-        else:
-            # Open slots, and the held slots of a reserved worker whose reservation lets this job take them
-            # (backfill, or a job of higher priority that ends before the gang's deadline).
-            usable = [w for w in fits if room.open[w.id] >= job.need.slots or (
-                w.id in reserved and job.id not in mine and room.usable(w.id, True) >= job.need.slots
-                and reserved[w.id].lets(job, now))]
-            # Best fit: the fewest free slots left (whole machines stay free for big jobs), then NVLink (pool.py).
-            usable.sort(key=lambda n: (room.free[n.id] - job.need.slots,
-                                       nvlink_preference(job.need.slots, n.nvlink_island), n.slots, n.id))
-            if len(usable) >= job.need.nodes:
-                chosen = usable[:job.need.nodes]
-                for w in chosen:
-                    room.take(w.id, job.need.slots)
-                place.workers = [w.id for w in chosen]
-                place.estimated_start = now
-                _hold(job, snap, held_user, held_team)
-            else:  # it waits for workers that fit: jobs behind it that need them wait behind it
-                place.reason = wait_reason(job, fits, room, mine.get(job.id), ahead, cfg.policy,
-                                           fitting.island_wait(job.need))
-                waiting_by_fit[fit_ids]["at", job.priority] += 1
-                waiting_by_fit[fit_ids]["own", job.owner, job.priority] += 1
+        # Open slots, and the held slots of a reserved worker whose reservation lets this job take them
+        # (backfill, or a job of higher priority that ends before the gang's deadline).
+        elif (chosen := view.best(job, reserved, job.id not in mine, now)) is not None:
+            for w in chosen:
+                room.take(w, job.need.slots)
+            place.workers = chosen
+            place.estimated_start = now
+            _hold(job, snap, held_user, held_team)
+        else:  # it waits for workers that fit: jobs behind it that need them wait behind it
+            place.reason = wait_reason(job, view, mine.get(job.id), ahead.of(job, view.ids), cfg.policy,
+                                       fitting.island_wait(job.need))
+            ahead.add(job, view.ids)
     for i, job in enumerate(ordered):
         places[job.id].position = i + 1
     order_out = [places[j.id] for j in ordered]
@@ -336,6 +232,35 @@ def plan(snap: Snapshot) -> Plan:
     team_shares = {t: u / max(snap.teams.get(t, Team()).weight, 1e-9) for t, u in team_use.items()
                    if not t.startswith("user:")}
     return Plan(order_out, preemptions, reservations, shares, team_shares, dict(kept))
+
+
+class _Ahead:
+    """The jobs waiting so far, per set of workers that fit them: those ahead of a job are the ones whose set
+    overlaps its own (they compete for a worker it could take)."""
+
+    def __init__(self) -> None:
+        self.at: dict[frozenset[str], dict[str, int]] = {}  # set -> priority -> jobs waiting
+        self.own: dict[frozenset[str], dict[tuple[str, str], int]] = {}  # set -> (owner, priority) -> jobs waiting
+        self.overlap: dict[tuple[int, int], bool] = {}  # by the sets' ids: Room.view keeps one object per set
+
+    def of(self, job: Waiting, ids: frozenset[str]) -> tuple[int, int, int]:
+        """(of a higher priority, of its priority and other owners, its owner's), waiting ahead of `job`."""
+        rank = PRIORITY_RANK.get(job.priority, 1)
+        higher = same = own = 0
+        for other, at in self.at.items():
+            key = (id(other), id(ids))
+            if (meets := self.overlap.get(key)) is None:
+                meets = self.overlap[key] = not other.isdisjoint(ids)
+            if meets:
+                higher += sum(n for p, n in at.items() if PRIORITY_RANK.get(p, 1) < rank)
+                same += at.get(job.priority, 0)
+                own += self.own[other].get((job.owner, job.priority), 0)
+        return higher, same - own, own
+
+    def add(self, job: Waiting, ids: frozenset[str]) -> None:
+        at, own = self.at.setdefault(ids, {}), self.own.setdefault(ids, {})
+        at[job.priority] = at.get(job.priority, 0) + 1
+        own[job.owner, job.priority] = own.get((job.owner, job.priority), 0) + 1
 
 
 def _hold(job: Waiting, snap: Snapshot, held_user: dict, held_team: dict) -> None:

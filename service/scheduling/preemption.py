@@ -54,8 +54,8 @@ def preempt(ordered: Sequence[Waiting], places: Mapping[str, Place], snap: Snaps
     promised: dict[str, int] = defaultdict(int)  # slots counted as coming for a job earlier in the order
     gone = [r for r in snap.running if r.preempt_requested]  # on their way out: they free their slots for someone
     taken = {r.id for r in gone}
-    share = {r.owner: snap.usage.get(r.owner, 0.0) / max(snap.accounts.get(r.owner, Account()).weight, 1e-9)
-             for r in snap.running}
+    share = {o: snap.usage.get(o, 0.0) / max(snap.accounts.get(o, Account()).weight, 1e-9)
+             for o in {r.owner for r in snap.running}}
 
     def first(r: Running) -> tuple:  # the order victims are taken in on one machine
         return -share[r.owner], -PRIORITY_RANK.get(r.spec_priority, 1), -r.started, r.id
