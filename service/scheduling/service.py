@@ -18,17 +18,16 @@ from sqlalchemy.orm import Session
 from service.auth.models import User
 from service.db import utcnow
 from service.jobs.models import Attempt, Job
-from service.scheduling import placement, policy
+from service.scheduling import live, placement, policy
 from service.scheduling.models import Team, Usage
 from service.settings import Settings
 from service.workers import fit, holds
-from service.workers import service as workers
 from trainjobs.spec import JobSpec
 from trainjobs.states import AttemptStatus, JobStatus
 
 log = logging.getLogger(__name__)
 MAX_WAITING = 2000  # queued jobs planned per snapshot, oldest first (the rest wait for a later pass)
-REQS_KEPT = 10_000  # jobs' needs a caller's cache remembers (a job's spec and plan never change), then it starts over
+REQS_KEPT = 10_000  # jobs' needs a caller's cache remembers (a job's spec and plan never change), then prunes
 FOLD_BATCH = 500  # closed attempts folded into usage per sweeper pass
 
 
@@ -64,8 +63,6 @@ def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req]
     `cache`: the caller's, kept from one snapshot to the next (a sweeper's, a worker's), so a job's spec and plan
     are read and parsed once, not at every pass (2,000 queued jobs: 480 of a pass's 600 ms were that)."""
     cache = {} if cache is None else cache
-    if len(cache) > REQS_KEPT:
-        cache.clear()
     now = utcnow()
     queued = db.execute(select(Job.id, Job.owner, Job.priority, Job.created_at, Job.queued_at, Job.not_before)
                         .where(Job.status == JobStatus.QUEUED).order_by(Job.created_at, Job.id)
@@ -77,14 +74,18 @@ def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req]
     attempts = db.execute(select(Attempt.job_id, Attempt.number, Attempt.worker, Attempt.started_at,
                                  Attempt.finished_at, Attempt.status, Job.owner)
                           .join(Job, Job.id == Attempt.job_id).where(Attempt.charged.is_(False))).all()
+    if len(cache) > REQS_KEPT:  # forget the jobs that left (clearing it all made the next pass parse every spec)
+        current = {r.id for r in (*queued, *holding)} | {a.job_id for a in attempts}
+        for job_id in [j for j in cache if j not in current]:
+            del cache[job_id]
     missing = list({r.id for r in (*queued, *holding) if r.id not in cache}
                    | {a.job_id for a in attempts if a.job_id not in cache})
     for i in range(0, len(missing), 500):
         for job_id, spec, plan in db.execute(select(Job.id, Job.spec, Job.plan)
                                              .where(Job.id.in_(missing[i:i + 500]))):
             cache[job_id] = req_of(spec, plan)
-    # A draining worker takes no more jobs, nor does one under pressure (its disk full) until it recovers.
-    live = [w for w in workers.live(db, lost_after_s=settings.lease_s) if w.state != "draining" and not w.pressure]
+    # A draining worker takes no more jobs, nor does one under pressure (its disk full) until it recovers: live.py.
+    nodes, claiming = live.live_nodes(db, lost_after_s=settings.lease_s)
 
     by_job: dict[str, list] = {}
     in_flight: dict[str, float] = {}
@@ -109,18 +110,10 @@ def snapshot(db: Session, settings: Settings, *, cache: MutableMapping[str, Req]
                               queued=(_seconds(r.queued_at) or r.created_at.timestamp()), need=cache[r.id].need,
                               timeout_s=cache[r.id].timeout_s, not_before=_seconds(r.not_before))
                for r in queued]
-    devices_held = holds.all_held(db) if any(w.max_jobs > 1 for w in live) else {}
-    held = {w: holds.load_of(devices) for w, devices in devices_held.items()}
     # A queued job that holds devices is being claimed: its worker counts it, so the plan must not place it again
     # (a queue read just before its entry was taken still lists it).
-    claiming = {j for load in held.values() for j in load.job_ids}
     if claiming:
         waiting = [w for w in waiting if w.id not in claiming]
-    nodes = [policy.Node(id=w.id, device=w.device, slots=w.slots, memory_bytes=w.memory_bytes,
-                         labels=dict(w.labels or {}), running=w.current_job,
-                         room=room_of(w.slots, w.max_jobs, held.get(w.id), w.devices),
-                         **(devices_of(w.id, w.device, w.devices, devices_held.get(w.id, {}))
-                            if w.max_jobs > 1 else {})) for w in live]
     owners = {j.owner for j in waiting} | {r.owner for r in running}
     usage = usage_now(db, now=now, half_life_s=settings.fair_share_half_life_s)
     for owner, extra in in_flight.items():
