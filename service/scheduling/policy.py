@@ -43,6 +43,7 @@ compare-and-set decides races.
 from collections import defaultdict
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from heapq import heapify, heappop, heappush
 
 from service.scheduling.pool import (
     CHARGE_CAP_S,
@@ -126,17 +127,27 @@ def _fair_order(jobs: list[Waiting], snap: Snapshot) -> list[Waiting]:
         return (team_use[team[owner]] / team_weight[owner], user_use[owner] / user_weight[owner],
                 head.submitted, head.id)
 
+    # The owner whose key is least goes next. A charge only raises keys (its team's members' too), so a heap of
+    # keys as they were is a heap of lower bounds: the top is the least once its key is still what it was.
+    heap = [(key(owner), owner) for owner in heads]
+    heapify(heap)
     out = []
-    while heads:
-        owner = min(heads, key=key)
+    while heap:
+        was, owner = heappop(heap)
+        if (now := key(owner)) != was:
+            heappush(heap, (now, owner))
+            continue
         job = queues[owner][heads[owner]]
         heads[owner] += 1
-        if heads[owner] == len(queues[owner]):
-            del heads[owner]
         out.append(job)
         charge = job.need.slots * job.need.nodes * min(job.timeout_s, CHARGE_CAP_S)
         user_use[owner] += charge
         team_use[team[owner]] += charge
+        if heads[owner] < len(queues[owner]):
+            heappush(heap, (key(owner), owner))
+        if charge < 0:  # NOTE: a negative timeout would lower keys: the bounds no longer hold, so make them anew
+            heap = [(key(o), o) for _, o in heap]
+            heapify(heap)
     return out
 
 
