@@ -9,7 +9,6 @@ from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.jobs.models import Attempt, JobEvent
-from service.jobs.queue import GANG, get_queue
 from service.workers import holds
 from tests.conftest import mlp_spec
 from tests.test_worker_join import as_worker, join, join_token
@@ -133,10 +132,8 @@ def test_a_gang_forms_through_the_calls_and_each_replay_answers_the_same(client,
     gpu7, gpu8 = machines
     job_id = client.post("/v1/jobs", json=mlp_spec(**GANG_SPEC)).json()["id"]
     assert call(client, "claim", {"job_id": job_id, "worker_id": "gpu-7-5"}, gpu7)["attempt"] == 1
-    node_tasks = [e.decode() for e in redis.lrange(get_queue(redis, settings.queue_prefix, GANG).key, 0, -1)]
-    assert len(node_tasks) == 1 and job_id in node_tasks[0]
-    call(client, "claim", {"job_id": job_id, "worker_id": "gpu-7-5"}, gpu7)  # a replay enqueues nothing more
-    assert redis.llen(get_queue(redis, settings.queue_prefix, GANG).key) == 1
+    # A replay answers the same attempt. (Node 1's task is the scheduling pass's to hand, to the worker it assigned.)
+    assert call(client, "claim", {"job_id": job_id, "worker_id": "gpu-7-5"}, gpu7)["attempt"] == 1
     node1 = {"job_id": job_id, "attempt": 1, "node_rank": 1}
     for _ in range(2):
         joined = call(client, "gang_join", {**node1, "worker_id": "gpu-8-1"}, gpu8)

@@ -1,7 +1,8 @@
 """A multi-node job's gang: nodes join by compare-and-set, wait for each other, and form, time out or yield together.
 
-Node 0 is whoever claims the job (worker/agent.py); the claim puts one task per other node on the gang queue
-(service/jobs/queue.py), and a worker that fits takes one and joins: its node's attempt row is inserted under the
+Node 0 is the worker the scheduling pass assigned it to, which claims the job (worker/agent.py); the pass assigned
+every other node to a worker too, and once node 0 claimed puts each node's task on its worker's queue
+(service/jobs/assigner.py), whose worker joins: its node's attempt row is inserted under the
 job's row lock, while the job is still `starting` at that attempt (the unique (job, attempt, node) makes a second
 join of the same node fail). Every member renews its lease while it waits. Once all nodes are in, node 0's look
 records the endpoint it proposes (a port free on its reachable address) and moves the job to `running` in one

@@ -5,16 +5,20 @@ devices freed, a worker ready: queue.kick) or every sweep_s:
 
 1. earlier assignments settled (scheduling/assign.py `verdict`): a claimed job's row is done; one unclaimed after
    two passes, whose worker is lost or that was given back is undone (its unclaimed holds released, its entry
-   back at the head of its priority queue) and planned again;
+   back at the head of its priority queue) and planned again. A gang's nodes go together: one node undone undoes
+   every node, and a gang forming on them is released (all nodes or none). A gang whose node 0 claimed the job
+   gets its nodes 1.. handed to their workers' queues (`hand_nodes`; the claim kicks a pass for it);
 2. one `policy.plan` on the pool's snapshot (the queued jobs none assigned; only those with an entry on a priority
    queue are assigned);
-3. each job it starts now: its devices picked, its assignment and holds written (one transaction, a
-   compare-and-set), then its entry moved from its priority queue onto its worker's own queue (one Lua step);
+3. each job it starts now: every node's devices picked (a gang: node r on the plan's r-th worker), its
+   assignments and holds written (one transaction, a compare-and-set), then its entry moved from its priority
+   queue onto node 0's worker's own queue (one Lua step);
 4. the same plan's pending reasons, estimates and preemptions written (jobs/pending.py `apply`; every sweep_s,
    not at each kick), and its queue view stored in Redis for GET /v1/queue (scheduling/queue_view.py; every pass).
 
-Workers read no pool and run no plan: a lane pops its worker's own queue and only checks that the job still fits
-(service/runners/assign_calls.py). The claim's compare-and-set still decides who runs a job.
+Workers read no pool and run no plan: a lane pops its worker's own queue and only checks that the job (the node)
+still fits (service/runners/assign_calls.py). The claim's and the gang join's compare-and-sets still decide who
+runs a job.
 """
 
 import logging
@@ -24,15 +28,18 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 from redis import Redis
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import UNREACHABLE, utcnow
-from service.jobs import pending, queue
+from service.jobs import lifecycle, pending, queue
+from service.jobs.models import Job
 from service.scheduling import assign, policy, queue_view
 from service.scheduling import service as scheduling
 from service.settings import Settings
 from service.workers import holds
 from service.workers import service as workers
+from trainjobs.states import JobStatus
 
 log = logging.getLogger(__name__)
 PASS_KEY = "{prefix}:assign:pass"  # the pass counter, shared by the API processes
@@ -44,7 +51,9 @@ class Report:
     """What one pass did, and how long its parts took (bench/assign_pass.py prints them)."""
 
     number: int = 0
-    assigned: list[assign.Placed] = field(default_factory=list)
+    assigned: list[assign.Placed] = field(default_factory=list)  # each job's node 0 (its entry moved)
+    nodes: list[assign.Placed] = field(default_factory=list)  # a gang's nodes 1.., assigned with its node 0
+    handed: list[str] = field(default_factory=list)  # node tasks put on their workers' queues (node 0 claimed)
     undone: dict[str, str] = field(default_factory=dict)  # job -> why
     plan: policy.Plan | None = None
     seconds: dict[str, float] = field(default_factory=dict)
@@ -70,14 +79,19 @@ def run_pass(db: Session, redis: Redis, settings: Settings, *, cache: MutableMap
     placed = assign.placements(db, snap, plan, entries=entries)
     t4 = time.perf_counter()
     recorded = assign.record(db, placed, number=report.number)
-    moved = queue.hand_to_workers(redis, prefix=prefix, moves=[(p.job_id, p.priority, p.worker_id) for p in recorded])
-    for p, ok in zip(recorded, moved, strict=True):
+    firsts = [p for p in recorded if p.node_rank == 0]
+    moved = queue.hand_to_workers(redis, prefix=prefix, moves=[(p.job_id, p.priority, p.worker_id) for p in firsts])
+    for p, ok in zip(firsts, moved, strict=True):
+        nodes = [n for n in recorded if n.job_id == p.job_id and n.node_rank > 0]
         if ok:
             report.assigned.append(p)
-            log.info("pass %d: job %s assigned to %s, device(s) %s", report.number, p.job_id, p.worker_id,
-                     list(p.devices) if p.devices is not None else "all")
+            report.nodes.extend(nodes)
+            log.info("pass %d: job %s assigned to %s", report.number, p.job_id, ", ".join(
+                f"{n.worker_id} (node {n.node_rank}, device(s) {list(n.devices) if n.devices is not None else 'all'})"
+                for n in (p, *nodes)))
         else:  # its entry left its queue since it was read: nothing to run there; the next pass sees it again
-            assign.forget(db, _open(p, report.number), release=True)
+            for n in (p, *nodes):
+                assign.forget(db, _open(n, report.number), release=True)
             db.commit()
     t5 = time.perf_counter()
     if reasons:
@@ -95,35 +109,75 @@ def run_pass(db: Session, redis: Redis, settings: Settings, *, cache: MutableMap
 
 def settle(db: Session, redis: Redis, settings: Settings, report: Report, *, entries: dict[str, str],
            live: set[str], unclaimed_s: float) -> list[assign.Open]:
-    """Earlier passes' assignments: done, undone or standing (returned)."""
-    prefix, now, standing = settings.queue_prefix, utcnow(), []
+    """Earlier passes' assignments: done, undone or standing (returned). An undone node of a gang undoes the
+    gang's every node (all or none); a gang's node whose job node 0 claimed is handed to its worker."""
+    prefix, now, standing, gone = settings.queue_prefix, utcnow(), [], set()
     for row in assign.open_assignments(db):
+        if row.job_id in gone:
+            continue
         why = assign.verdict(row, number=report.number, live=live, on_priority_queue=entries, now=now,
                              unclaimed_s=unclaimed_s)
         if why is None:
             standing.append(row)
             continue
-        if why != "claimed":
-            waited = queue.off_worker_queue(redis, prefix=prefix, job_id=row.job_id, worker_id=row.worker_id)
+        if why not in ("claimed", "ended"):
+            waited = queue.off_worker_queue(redis, prefix=prefix, entry=row.entry, worker_id=row.worker_id)
             if why == "unclaimed" and not waited and row.taken_at is not None:
                 if (now - row.taken_at).total_seconds() < holds.PENDING_S:
-                    standing.append(row)  # its worker took it off its queue and is claiming it
+                    standing.append(row)  # its worker took it off its queue and is claiming (joining) it
                     continue
                 why = "taken, never claimed"
-        assign.forget(db, row, release=why != "claimed")
-        db.commit()
-        if why in ("lost", "unclaimed", "taken, never claimed"):  # planned again: its entry back, its hash anew
-            if queue.put_back(db, redis, prefix=prefix, job_id=row.job_id):
-                entries[row.job_id] = row.priority  # this pass plans it too
-        if why != "claimed":
-            report.undone[row.job_id] = why
-            log.info("pass %d: the assignment of job %s to %s is undone (%s)", report.number, row.job_id,
-                     row.worker_id, why)
+        if why == "claimed":
+            assign.forget(db, row, release=False)
+            db.commit()
+            continue
+        # Undone: every node of its job goes (a gang forming on them is let go), and it is planned again.
+        gone.add(row.job_id)
+        again = why != "given back"  # given back: its entry is on its priority queue already
+        why = why if row.node_rank == 0 else f"node {row.node_rank} on {row.worker_id}: {why}"
+        if undo_job(db, redis, prefix=prefix, job_id=row.job_id, why=why, put_back=again):
+            entries[row.job_id] = row.priority or "normal"  # this pass plans it too
+        report.undone[row.job_id] = why
+        log.info("pass %d: the assignment of job %s is undone (%s)", report.number, row.job_id, why)
+    standing = [o for o in standing if o.job_id not in gone]
+    report.handed = hand_nodes(db, redis, prefix=prefix, standing=standing)
     return standing
 
 
+def undo_job(db: Session, redis: Redis, *, prefix: str, job_id: str, why: str, put_back: bool = True) -> bool:
+    """Every node's assignment of a job goes, with its unclaimed holds and its entry on its worker's queue; a gang
+    still forming on them is released (lifecycle.release_gang: its joined nodes stop, no retry spent). `put_back`:
+    its entry back on its priority queue, to be planned again (True when it is, the job still queued)."""
+    rows = assign.of_job(db, job_id)
+    job = db.execute(select(Job.status, Job.attempt).where(Job.id == job_id)).first()
+    if job is not None and job.status == JobStatus.STARTING and any(r.attempt + 1 == job.attempt for r in rows):
+        lifecycle.release_gang(db, job_id=job_id, attempt=job.attempt, why=f"its assignment was undone ({why})")
+    for row in rows:
+        assign.forget(db, row, release=True)
+    db.commit()
+    for row in rows:
+        queue.off_worker_queue(redis, prefix=prefix, entry=row.entry, worker_id=row.worker_id)
+    return put_back and queue.put_back(db, redis, prefix=prefix, job_id=job_id)
+
+
+def hand_nodes(db: Session, redis: Redis, *, prefix: str, standing: list[assign.Open]) -> list[str]:
+    """The node tasks of gangs whose node 0 claimed the job, on their workers' queues (those not there yet)."""
+    nodes = [o for o in standing if o.node_rank > 0 and o.status == JobStatus.STARTING
+             and o.job_attempt == o.attempt + 1 and not o.joined]
+    if not nodes:
+        return []
+    timeouts = {j: spec.timeout_s for j, spec in db.execute(select(Job.id, Job.spec).where(
+        Job.id.in_({o.job_id for o in nodes})))}
+    handed = queue.hand_nodes(redis, prefix=prefix, nodes=[(o.job_id, o.attempt + 1, o.node_rank, o.worker_id,
+                                                            timeouts.get(o.job_id, 0.0)) for o in nodes])
+    for task in handed:
+        log.info("node task %s handed to its worker's queue", task)
+    return handed
+
+
 def _open(p: assign.Placed, number: int) -> assign.Open:
-    return assign.Open(p.job_id, 0, p.worker_id, p.devices, 0, number, utcnow(), None, None, None, p.priority)
+    return assign.Open(p.job_id, p.node_rank, p.worker_id, p.devices, 0, number, utcnow(), None, None, None,
+                       p.priority)
 
 
 class Assigner:

@@ -2,7 +2,8 @@
 
 A job's entry waits on its priority queue until the scheduler's pass (service/jobs/assigner.py) assigns it: then
 it moves, in one step, onto that worker's own queue (`<prefix>-w-<worker id>`), which only that worker's lanes
-listen to. A gang's node tasks wait on the gang queue, taken by any worker that fits them (worker/dispatch.py).
+listen to. A gang's other nodes are assigned by the same pass; once node 0 claims the job, the pass puts each
+node's task on the queue of the worker it assigned it to (`hand_nodes`).
 """
 
 import logging
@@ -34,10 +35,11 @@ CHECK_BATCH = 1000  # queue entries whose jobs' status one query of reconcile re
 FINISHING_S = 30  # how long a work-horse may take from recording an outcome to RQ marking the job done
 
 
-# The node tasks of forming gangs (nnodes > 1), served before any new job: a gang that has begun to form
-# gets its workers before another one starts (worker/gang.py).
+# The queue where a forming gang's node tasks once waited for any worker that fit them. Nothing puts an entry there
+# now (the pass assigns every node); a worker of this version still pops it (worker/main.py names it), so an entry
+# an earlier version left there is judged as any other on its own queue: refused or stale, never run by fit.
 GANG = "gang"
-NODE_FUNCTION = "worker.agent.run_node"
+NODE_FUNCTION = "worker.agent.run_node"  # a gang's node 1.. (a node task: job, attempt, node rank)
 
 # What a queue entry may ask a worker to run, and with what arguments: RQ imports and calls whatever dotted
 # name an entry's hash holds, so an entry that anything able to reach Redis pushed (a job's script, with a
@@ -98,7 +100,7 @@ class GuardedJob(RQJob):
 
 def queue_names(prefix: str) -> list[str]:
     """Queue names in the order a worker serves them."""
-    return [f"{prefix}-{p}" for p in (GANG, *PRIORITIES)]
+    return [f"{prefix}-{p}" for p in PRIORITIES]
 
 
 def worker_queue_name(prefix: str, worker_id: str) -> str:
@@ -130,10 +132,10 @@ def hand_to_workers(redis: Redis, *, prefix: str, moves: Sequence[tuple[str, str
         return [n > 0 for n in pipe.execute()]
 
 
-def off_worker_queue(redis: Redis, *, prefix: str, job_id: str, worker_id: str) -> int:
-    """An assigned job's entry off the worker's queue (an assignment undone); 0 when the worker had taken it off
-    already. LREM decides between the pass and the worker's pop."""
-    return redis.lrem(worker_queue(redis, prefix, worker_id).key, 0, job_id)
+def off_worker_queue(redis: Redis, *, prefix: str, entry: str, worker_id: str) -> int:
+    """An assigned job's entry (a node task's) off the worker's queue (an assignment undone); 0 when the worker had
+    taken it off already (or it was never put there). LREM decides between the pass and the worker's pop."""
+    return redis.lrem(worker_queue(redis, prefix, worker_id).key, 0, entry)
 
 
 def priority_entries(redis: Redis, prefix: str, *, limit: int = 5000) -> dict[str, str]:
@@ -178,16 +180,37 @@ def parse_node_task_id(task_id: str) -> tuple[str, int, int] | None:
 
 
 def enqueue_nodes(redis: Redis, *, prefix: str, job_id: str, attempt: int, nnodes: int, timeout_s: float) -> None:
-    """One task per node rank 1..nnodes-1 of a gang whose node 0 is claimed: any worker that fits takes one.
+    """Node 0 of a gang claimed `attempt` (the claim calls this): a pass now, which hands nodes 1..nnodes-1 to the
+    workers it assigned them to (`hand_nodes`)."""
+    kick(redis, prefix=prefix)
 
-    NOTE: only a hint, like every queue entry: a task lost with Redis leaves the gang short, and its
-    TRAINJOBS_GANG_TIMEOUT_S sends the job back to the queue. A task of an attempt gone by is skipped.
+
+def hand_nodes(redis: Redis, *, prefix: str, nodes: Sequence[tuple[str, int, int, str, float]]) -> list[str]:
+    """Put each (job id, attempt, node rank, worker id, timeout_s)'s node task on the worker's own queue, unless it
+    is there already (its hash exists: handed by an earlier pass, or taken); returns the tasks put there now.
+
+    NOTE: only a hint, like every queue entry: a task lost with Redis is handed again by the next pass while its
+    node has not joined, and a node that never joins undoes the gang (service/jobs/assigner.py).
     """
-    queue = get_queue(redis, prefix, GANG)
-    for rank in range(1, nnodes):
-        queue.enqueue_call(NODE_FUNCTION, args=[job_id, attempt, rank], job_id=node_task_id(job_id, attempt, rank),
-                           timeout=int(timeout_s) + RQ_TIMEOUT_MARGIN_S, result_ttl=600, failure_ttl=3600,
-                           description=f"trainjobs job {job_id} attempt {attempt} node {rank}")
+    if not nodes:
+        return []
+    ids = [node_task_id(job_id, attempt, rank) for job_id, attempt, rank, _, _ in nodes]
+    with redis.pipeline(transaction=False) as pipe:
+        for task_id in ids:
+            pipe.exists(RQJob.key_for(task_id))
+        there = pipe.execute()
+    handed = []
+    with redis.pipeline() as pipe:
+        for task_id, (job_id, attempt, rank, worker_id, timeout_s), found in zip(ids, nodes, there, strict=True):
+            if found:
+                continue
+            worker_queue(redis, prefix, worker_id).enqueue_call(
+                NODE_FUNCTION, args=[job_id, attempt, rank], job_id=task_id,
+                timeout=int(timeout_s) + RQ_TIMEOUT_MARGIN_S, result_ttl=600, failure_ttl=3600,
+                description=f"trainjobs job {job_id} attempt {attempt} node {rank}", pipeline=pipe)
+            handed.append(task_id)
+        pipe.execute()
+    return handed
 
 
 def get_queue(redis: Redis, prefix: str, priority: str) -> Queue:

@@ -4,11 +4,13 @@ The control plane plans the pool once per pass (policy.plan, on the snapshot ser
 plan starts now, this module picks its devices on the worker the plan gives it (placement.choose, keeping off the
 devices the plan keeps for other jobs: a reservation's, a forming gang's), records the assignment (a
 compare-and-set on the job still queued and unassigned: assignments.py) and takes the devices' holds in the same
-transaction, so the next pass sees them used. The queue side (the entry moved onto the worker's own queue) and
-the loop are service/jobs/assigner.py's; the worker only checks that what it is given still fits.
+transaction, so the next pass sees them used. A gang gets every node at once: node r on the plan's r-th worker,
+all recorded in one transaction or none (a node whose devices are not free now keeps the whole gang waiting). The
+queue side (node 0's entry moved onto its worker's own queue; nodes 1.. handed to theirs once node 0 claimed the
+job) and the loop are service/jobs/assigner.py's; the worker only checks that what it is given still fits.
 
 It also says what becomes of the assignments of earlier passes (`verdict`): a claimed job's is done, one unclaimed
-after two passes or whose worker is lost is undone and planned again.
+after two passes or whose worker is lost is undone and planned again (a gang's: every node, all or none).
 """
 
 import dataclasses
@@ -17,16 +19,18 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import JSON, Integer, bindparam, delete, insert, literal, select
+from sqlalchemy import JSON, Integer, bindparam, delete, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
-from service.jobs.models import Job
+from service.jobs import queue
+from service.jobs.models import Attempt, Job
 from service.scheduling import placement, policy
 from service.scheduling import service as scheduling
 from service.scheduling.assignments import Assignment
 from service.workers import holds
+from service.workers import service as workers
 from service.workers.models import Worker
 from trainjobs.states import JobStatus
 
@@ -36,12 +40,13 @@ UNCLAIMED_PASSES = 2  # passes an assignment may wait on its worker's queue befo
 
 @dataclass(frozen=True)
 class Placed:
-    """A job this pass assigned: node 0 on `worker_id`, on `devices` (None: the whole worker, devices unknown)."""
+    """A node of a job this pass assigned: on `worker_id`, on `devices` (None: the whole worker, devices unknown)."""
 
     job_id: str
     priority: str
     worker_id: str
     devices: tuple[int, ...] | None
+    node_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,16 +64,36 @@ class Open:
     status: str | None
     job_attempt: int | None
     priority: str | None
+    started_at: datetime | None = None  # the job's claim (a gang's node 0): when nodes 1.. were handed over
+    joined: bool = False  # a gang's node r: its attempt row of the claimed attempt exists (it joined)
+
+    @property
+    def entry(self) -> str:
+        """Its queue entry's id: the job's (node 0), or the node task's of the attempt node 0 claimed."""
+        return self.job_id if self.node_rank == 0 else queue.node_task_id(self.job_id, self.attempt + 1,
+                                                                                 self.node_rank)
 
 
 def open_assignments(db: Session) -> list[Open]:
     a = Assignment
+    joined = select(Attempt.id).where(Attempt.job_id == a.job_id, Attempt.number == a.attempt + 1,
+                                      Attempt.node_rank == a.node_rank).exists()
     rows = db.execute(select(a.job_id, a.node_rank, a.worker_id, a.devices, a.attempt, a.pass_no, a.assigned_at,
-                             a.taken_at, Job.status, Job.attempt, Job.priority)
+                             a.taken_at, Job.status, Job.attempt, Job.priority, Job.started_at,
+                             (a.node_rank > 0) & joined)
                       .outerjoin(Job, Job.id == a.job_id)).all()
     return [Open(job, node, worker, tuple(devices) if devices is not None else None, attempt, number, at, taken,
-                 status, job_attempt, priority)
-            for job, node, worker, devices, attempt, number, at, taken, status, job_attempt, priority in rows]
+                 status, job_attempt, priority, started, bool(node_joined))
+            for job, node, worker, devices, attempt, number, at, taken, status, job_attempt, priority, started,
+            node_joined in rows]
+
+
+def of_job(db: Session, job_id: str) -> list[Open]:
+    """Every node's assignment of one job (the job's fields unset)."""
+    a = Assignment
+    return [Open(job_id, o.node_rank, o.worker_id, tuple(o.devices) if o.devices is not None else None, o.attempt,
+                 o.pass_no, o.assigned_at, o.taken_at, None, None, None)
+            for o in db.scalars(select(a).where(a.job_id == job_id).order_by(a.node_rank))]
 
 
 def verdict(row: Open, *, number: int, live: Collection[str], on_priority_queue: Collection[str], now: datetime,
@@ -81,7 +106,11 @@ def verdict(row: Open, *, number: int, live: Collection[str], on_priority_queue:
     - "lost": its worker is no longer live;
     - "unclaimed": UNCLAIMED_PASSES passes (and `unclaimed_s`) went by and no claim came: planned again, unless its
       worker took it (`taken_at`) and is claiming it (the caller's: it stands holds.PENDING_S at most).
+
+    A gang's node 1.. follows node 0 while the job waits to be claimed, then `node_verdict`.
     """
+    if row.node_rank > 0:
+        return node_verdict(row, number=number, live=live, now=now, unclaimed_s=unclaimed_s)
     if row.status is None or row.status != JobStatus.QUEUED:
         return "claimed" if row.job_attempt is not None and row.job_attempt != row.attempt else "ended"
     if row.job_attempt != row.attempt:
@@ -94,6 +123,43 @@ def verdict(row: Open, *, number: int, live: Collection[str], on_priority_queue:
             (now - row.assigned_at).total_seconds() >= unclaimed_s:
         return "unclaimed"
     return None
+
+
+def node_verdict(row: Open, *, number: int, live: Collection[str], now: datetime, unclaimed_s: float) -> str | None:
+    """A gang's node r ≥ 1 (None: it stands): before node 0's claim it stands with the job (node 0's row decides,
+    and its undoing undoes every node); once node 0 claimed the job (its attempt is this one's + 1) its entry is on
+    its worker's queue and it is "claimed" once the node joined, "ended" if the gang moved on without it (formed
+    never, released, cancelled), and "lost" or "unclaimed" as node 0's would be, counted from the claim."""
+    if row.status is None:
+        return "ended"
+    if row.job_attempt == row.attempt:
+        return None if row.status == JobStatus.QUEUED else "ended"
+    if row.job_attempt != row.attempt + 1:
+        return "ended"
+    if row.joined:
+        return "claimed"
+    if row.status != JobStatus.STARTING:
+        return "ended"
+    if row.worker_id not in live:
+        return "lost"
+    since = row.started_at or row.assigned_at
+    if number - row.pass_no >= UNCLAIMED_PASSES and (now - since).total_seconds() >= unclaimed_s:
+        return "unclaimed"
+    return None
+
+
+def misfit(db: Session, row: Assignment) -> str | None:
+    """Why an assignment no longer fits its worker: a device of it unhealthy (as its heartbeat last said) or no
+    longer held for its job; None when it fits."""
+    if row.devices is None:
+        return None
+    health = {d["index"]: d.get("healthy", True) for d in workers.device_rows(db, worker_id=row.worker_id)}
+    sick = [d for d in row.devices if not health.get(d, True)]
+    if sick:
+        return f"device(s) {sick} of {row.worker_id} turned unhealthy"
+    held = holds.held(db, worker_id=row.worker_id)
+    lost = [d for d in row.devices if held.get(d, (None, None))[0] != row.job_id]
+    return f"device(s) {lost} of {row.worker_id} are no longer held for it" if lost else None
 
 
 def forget(db: Session, row: Open, *, release: bool) -> None:
@@ -186,37 +252,50 @@ class _Devices:
         free.difference_update(chosen)
         return tuple(chosen)
 
+    def give_back(self, placed: Sequence[Placed]) -> None:
+        """The devices of nodes placed a moment ago, free again (their gang does not start this pass)."""
+        for p in placed:
+            if p.devices:
+                self.free[p.worker_id].update(p.devices)
+
 
 def placements(db: Session, snap: policy.Snapshot, plan: policy.Plan, *, entries: Collection[str]) -> list[Placed]:
-    """The jobs the plan starts now that wait on a priority queue (`entries`: the pass moves their entry), each on
-    its first worker (node 0; a gang's other nodes join through the gang queue's node tasks, as before) with the
-    devices placement picks there."""
+    """The nodes of the jobs the plan starts now that wait on a priority queue (`entries`: the pass moves their
+    entry): node r on the plan's r-th worker (a gang: one node a worker), with the devices placement picks there;
+    a gang only whole."""
     starting = [p for p in plan.order if p.workers and p.reason is None and p.job_id in entries]
-    devices = _Devices(db, plan, snap, {p.workers[0] for p in starting})
+    devices = _Devices(db, plan, snap, {w for p in starting for w in p.workers})
     out = []
     for p in starting:
         job = devices.waiting.get(p.job_id)
-        if job is None:
+        if job is None or len(p.workers) < job.need.nodes:
             continue
-        chosen = devices.take(p.workers[0], job)
-        if chosen is False:
-            log.info("job %s: too few devices free on %s now; it waits for the next pass", job.id, p.workers[0])
-            continue
-        out.append(Placed(job.id, job.priority, p.workers[0], chosen))
+        nodes = []
+        for rank, worker_id in enumerate(p.workers[:job.need.nodes]):
+            chosen = devices.take(worker_id, job)
+            if chosen is False:
+                log.info("job %s: too few devices free on %s now; it waits for the next pass", job.id, worker_id)
+                devices.give_back(nodes)
+                break
+            nodes.append(Placed(job.id, job.priority, worker_id, chosen, rank))
+        else:
+            out.extend(nodes)
     return out
 
 
 _RECORD = insert(Assignment.__table__).from_select(
     ["job_id", "node_rank", "worker_id", "devices", "attempt", "pass_no", "assigned_at"],
-    select(Job.id, literal(0, Integer), bindparam("b_worker"), bindparam("b_devices", type_=JSON(none_as_null=True)),
+    select(Job.id, bindparam("b_node", type_=Integer), bindparam("b_worker"),
+           bindparam("b_devices", type_=JSON(none_as_null=True)),
            Job.attempt, bindparam("b_pass"), bindparam("b_at"))
     .where(Job.id == bindparam("b_job"), Job.status == JobStatus.QUEUED))
 
 
 def record(db: Session, placed: Sequence[Placed], *, number: int) -> list[Placed]:
-    """Write the assignments and take their devices' holds, all in one transaction where none raced (else one by
-    one); returns those recorded. The compare-and-set: a job still queued (INSERT … SELECT … WHERE status) and
-    not assigned already (the primary key), its devices held by no one (the holds' key). Commits."""
+    """Write the assignments and take their devices' holds, all in one transaction where none raced (else job by
+    job: a gang's nodes together); returns those recorded. The compare-and-set: a job still queued (INSERT …
+    SELECT … WHERE status) and not assigned already (the primary key), its devices held by no one (the holds'
+    key). Commits."""
     if not placed:
         return []
     try:
@@ -225,23 +304,28 @@ def record(db: Session, placed: Sequence[Placed], *, number: int) -> list[Placed
         return done
     except IntegrityError:
         db.rollback()
-    out = []
+    by_job: dict[str, list[Placed]] = {}
     for p in placed:
+        by_job.setdefault(p.job_id, []).append(p)
+    out = []
+    for job_id, nodes in by_job.items():
         try:
-            out.extend(_record(db, [p], number))
+            out.extend(_record(db, nodes, number))
             db.commit()
-        except IntegrityError:  # assigned by another pass, or a device taken since (a gang's node task)
+        except IntegrityError:  # assigned by another pass, or a device taken since
             db.rollback()
-            log.info("job %s: not assigned to %s (assigned already, or its devices taken)", p.job_id, p.worker_id)
+            log.info("job %s: not assigned to %s (assigned already, or its devices taken)", job_id,
+                     [p.worker_id for p in nodes])
     return out
 
 
 def _record(db: Session, placed: Sequence[Placed], number: int) -> list[Placed]:
     now = utcnow()
-    db.execute(_RECORD, [{"b_job": p.job_id, "b_worker": p.worker_id, "b_pass": number, "b_at": now,
-                          "b_devices": list(p.devices) if p.devices is not None else None} for p in placed])
-    landed = set(db.scalars(select(Assignment.job_id).where(Assignment.pass_no == number,
-                                                            Assignment.job_id.in_([p.job_id for p in placed]))))
-    done = [p for p in placed if p.job_id in landed]
-    holds.take_many(db, [(p.worker_id, p.job_id, 0, list(p.devices)) for p in done if p.devices])
+    db.execute(_RECORD, [{"b_job": p.job_id, "b_node": p.node_rank, "b_worker": p.worker_id, "b_pass": number,
+                          "b_at": now, "b_devices": list(p.devices) if p.devices is not None else None}
+                         for p in placed])
+    landed = {(job, node) for job, node in db.execute(select(Assignment.job_id, Assignment.node_rank).where(
+        Assignment.pass_no == number, Assignment.job_id.in_({p.job_id for p in placed})))}
+    done = [p for p in placed if (p.job_id, p.node_rank) in landed]
+    holds.take_many(db, [(p.worker_id, p.job_id, p.node_rank, list(p.devices)) for p in done if p.devices])
     return done
