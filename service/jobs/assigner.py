@@ -121,7 +121,7 @@ def settle(db: Session, redis: Redis, settings: Settings, report: Report, *, ent
             standing.append(row)
             continue
         if why not in ("claimed", "ended"):
-            waited = queue.off_worker_queue(redis, prefix=prefix, entry=row.entry, worker_id=row.worker_id)
+            waited = queue.off_worker_queue(redis, prefix=prefix, entry=entry_of(row), worker_id=row.worker_id)
             if why == "unclaimed" and not waited and row.taken_at is not None:
                 if (now - row.taken_at).total_seconds() < holds.PENDING_S:
                     standing.append(row)  # its worker took it off its queue and is claiming (joining) it
@@ -144,6 +144,11 @@ def settle(db: Session, redis: Redis, settings: Settings, report: Report, *, ent
     return standing
 
 
+def entry_of(row: assign.Open) -> str:
+    """An assignment's queue entry: the job's (node 0), or the node task's of the attempt node 0 claimed."""
+    return row.job_id if row.node_rank == 0 else queue.node_task_id(row.job_id, row.attempt + 1, row.node_rank)
+
+
 def undo_job(db: Session, redis: Redis, *, prefix: str, job_id: str, why: str, put_back: bool = True) -> bool:
     """Every node's assignment of a job goes, with its unclaimed holds and its entry on its worker's queue; a gang
     still forming on them is released (lifecycle.release_gang: its joined nodes stop, no retry spent). `put_back`:
@@ -156,7 +161,7 @@ def undo_job(db: Session, redis: Redis, *, prefix: str, job_id: str, why: str, p
         assign.forget(db, row, release=True)
     db.commit()
     for row in rows:
-        queue.off_worker_queue(redis, prefix=prefix, entry=row.entry, worker_id=row.worker_id)
+        queue.off_worker_queue(redis, prefix=prefix, entry=entry_of(row), worker_id=row.worker_id)
     return put_back and queue.put_back(db, redis, prefix=prefix, job_id=job_id)
 
 

@@ -24,7 +24,6 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
-from service.jobs import queue
 from service.jobs.models import Attempt, Job
 from service.scheduling import placement, policy
 from service.scheduling import service as scheduling
@@ -66,12 +65,6 @@ class Open:
     priority: str | None
     started_at: datetime | None = None  # the job's claim (a gang's node 0): when nodes 1.. were handed over
     joined: bool = False  # a gang's node r: its attempt row of the claimed attempt exists (it joined)
-
-    @property
-    def entry(self) -> str:
-        """Its queue entry's id: the job's (node 0), or the node task's of the attempt node 0 claimed."""
-        return self.job_id if self.node_rank == 0 else queue.node_task_id(self.job_id, self.attempt + 1,
-                                                                                 self.node_rank)
 
 
 def open_assignments(db: Session) -> list[Open]:
