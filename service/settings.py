@@ -57,6 +57,8 @@ class Settings(BaseSettings):
     # Who may call the API (service/auth/). Off only for one user on one machine: then it serves loopback only.
     auth: bool = Field(True, description="bearer tokens on every /v1 route; TRAINJOBS_AUTH=off for loopback only")
     max_body_bytes: int = Field(2**20, ge=1024, description="larger request bodies get a 413")
+    worker_max_body_bytes: int = Field(2**25, ge=2**20, description="the same for the worker protocol's calls "
+                                       "(/v1/worker/*): a worker's tick carries its attempts' batches")
     submit_rate_per_min: int = Field(60, ge=1, description="job submissions per token per minute, then 429")
     quota_active_jobs: int = Field(100, ge=1, description="queued + running jobs per owner, then 429")
     # Working-directory packages (service/packages/, trainjobs/packing.py).

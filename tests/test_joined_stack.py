@@ -62,6 +62,13 @@ def test_a_ddp_job_and_a_two_node_gang_run_to_the_end_with_their_logs_and_metric
         assert loss["steps"] == list(range(5, 21, 5))  # each step once
         log = api.get(f"/v1/jobs/{job_id}/logs").text
         assert "step 20/20" in log and "[trainjobs] done" in log
+    # Their ships, leases and the heartbeats went as ticks (worker/tick.py), not a call each.
+    served = api.get("/metrics").text
+    ticks = sum(float(line.rsplit(" ", 1)[1]) for line in served.splitlines() if line.startswith(
+        "trainjobs_http_request_duration_seconds_count") and 'route="/v1/worker/tick"' in line)
+    singles = [line for line in served.splitlines() if line.startswith("trainjobs_http_request_duration_seconds_count")
+               and any(f'route="/v1/worker/{call}"' in line for call in ("ship", "leases", "heartbeat"))]
+    assert ticks > 0 and singles == [], (ticks, singles)
 
 
 def test_two_api_processes_one_killed_mid_run_lose_and_double_nothing(postgres_url, tmp_path):

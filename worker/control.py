@@ -186,11 +186,14 @@ def _detail(response: httpx.Response) -> str:
 
 def for_worker(settings: Settings, sessions: sessionmaker[Session] | None) -> "Control":
     """How this process reaches the control plane: the API with the machine's saved credential where the worker
-    joined one, else the database."""
+    joined one (through its relay, worker/tick.py, where it runs one), else the database."""
     found = saved(settings)
-    if found is not None:
-        return found
-    return DatabaseControl(sessions, settings)
+    if found is None:
+        return DatabaseControl(sessions, settings)
+    from worker.tick import SOCKET_ENV, Relayed  # NOTE: worker/tick.py builds on this module
+
+    relay = os.environ.get(SOCKET_ENV)  # the worker's relay: its processes' ships and leases in one tick
+    return Relayed(found, relay) if relay else found
 
 
 def runner_name() -> str:

@@ -22,7 +22,7 @@ from service.scheduling.placement import Device, Machine, nvlink_island
 from service.settings import Settings
 from service.workers import fit
 from worker import devices
-from worker.control import ApiControl, Control, DatabaseControl, Revoked
+from worker.control import Control, DatabaseControl, Revoked
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def start_heartbeat(control: Control | sessionmaker[Session], *, offer: Offer, e
 
     On GPUs each beat (at most every devices.HEALTH_EVERY_S) re-reads their health, and stores their rows when it
     changed: /v1/workers then shows the GPU `unhealthy`, with why, and placement leaves it out."""
-    if not isinstance(control, (DatabaseControl, ApiControl)):
+    if isinstance(control, sessionmaker):
         control = DatabaseControl(control)
     control.register(inventory_of(offer))
     name = offer.id

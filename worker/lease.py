@@ -1,8 +1,9 @@
 """An attempt's hold on its job: the lease, renewed on a thread of its own through the protocol's `leases` call
 (worker/control.py: the API, or in-process for a database worker), DESIGN.md rule 5.
 
-Shipping (a job's output and metrics) and the lease never share a transaction: no amount of data a job writes,
-nor a slow or refused ship, keeps the lease from being renewed, so a worker is lost only when it is. The thread
+A joined worker's renewals ride its tick (worker/tick.py) with its attempts' batches, but never behind more than
+1 MiB of them, and a batch refused is refused alone: no amount of data a job writes, nor a slow or refused ship,
+keeps the lease from being renewed, so a worker is lost only when it is. The thread
 renews every heartbeat_s while the supervisor's loop is alive (it calls tick() on every pass); a supervisor stuck
 for longer than a lease lets the lease run out, as a frozen worker would, and the sweeper takes the job back.
 Each renewal also reads what the job asks of its attempt (cancel, preemption, stacks): Lease.held.

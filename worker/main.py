@@ -31,6 +31,7 @@ from worker.agent import request_preemption
 from worker.dispatch import FittingQueue, Taker
 from worker.inventory import DiskWatch, probe, start_heartbeat
 from worker.sandbox import REDIS_AUTH_LABEL
+from worker.tick import SOCKET_ENV, Relay
 
 log = logging.getLogger(__name__)
 RESTART_MAX_S = 5.0  # the longest wait between two starts of the worker loop after an outage
@@ -187,6 +188,11 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
                                        queue_class=FittingQueue, job_class=GuardedJob)]
         return current[0]
 
+    # Issue 42: the work-horses' ships and leases, and the heartbeat, go to the API as one tick (worker/tick.py);
+    # its socket is made before the lanes are forked, its threads start after.
+    relay = Relay(own, window_s=settings.poll_s) if own is not None else None
+    if relay is not None:
+        os.environ[SOCKET_ENV] = relay.path
     lanes = None
     if offer.max_jobs > 1:  # forked before the heartbeat's thread starts: a fork copies no lock a thread holds
         log.info("worker %s runs up to %d jobs at once, each on devices of its own", name, offer.max_jobs)
@@ -200,7 +206,9 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     def revoked(_why: str) -> None:  # as a shutdown: its jobs handed back, checkpointed, then it stops
         os.kill(os.getpid(), signal.SIGTERM)
 
-    stop_heartbeat = start_heartbeat(own or sessions, offer=offer, every_s=settings.heartbeat_s, draining=draining,
+    if relay is not None:
+        relay.start()
+    stop_heartbeat = start_heartbeat(relay or sessions, offer=offer, every_s=settings.heartbeat_s, draining=draining,
                                      pressure=disk.pressure, on_revoked=revoked)
     try:
         kick(redis, prefix=settings.queue_prefix)  # registered: the scheduler's next pass may assign it jobs now
@@ -213,6 +221,8 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
             lanes.wait()
     finally:
         stop_heartbeat()
+        if relay is not None:
+            relay.stop()
         if engine is not None:
             engine.dispose()
 

@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlparse
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW(OR)?D|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|AUTH", re.I)
 # The service's own connections and credentials: a user's script has no business with them.
 SERVICE_ONLY = ("TRAINJOBS_DATABASE_URL", "TRAINJOBS_REDIS_URL", "TRAINJOBS_TOKEN", "TRAINJOBS_SECRETS_DIR",
-                "DATABASE_URL", "REDIS_URL")
+                "DATABASE_URL", "REDIS_URL", "TRAINJOBS_WORKER_CREDENTIAL_FILE", "TRAINJOBS_WORKER_TICK_SOCKET")
 MIN_LEN = 6  # shorter values would redact ordinary words
 MASK = "[redacted]"
 

@@ -169,7 +169,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # A package's body is a .tar.gz streamed to disk under its own cap (service/packages/service.py): no JSON.
     app.include_router(packages_router, dependencies=[Depends(current_principal)], responses=responses(401, 422))
     install_prometheus(app)
+    # A worker's tick carries its attempts' batches (service/runners/tick_calls.py): the worker routes have a cap of
+    # their own, the rest of the API max_body_bytes.
+    worker = lambda scope: scope["path"].startswith("/v1/worker/")  # noqa: E731
+    app.add_middleware(BodyLimit, max_bytes=settings.worker_max_body_bytes, exempt=lambda scope: not worker(scope))
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,  # outermost: before anything reads a body
-                       exempt=lambda scope: scope["method"] == "PUT" and scope["path"].startswith("/v1/packages/"))
+                       exempt=lambda scope: worker(scope) or scope["method"] == "PUT" and
+                       scope["path"].startswith("/v1/packages/"))
     app.add_middleware(RefuseNul)
     return app

@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.errors import Forbidden, InvalidRequest
-from service.jobs import lifecycle, queue, records
+from service.jobs import lifecycle, queue, records, renewals
 from service.jobs.models import Job
 from service.runners import protocol
 from service.runners.protocol import Context
@@ -196,17 +196,17 @@ def leases(db: Session, ctx: Context, body: LeasesBody) -> LeasesPublic:
         if not ctx.caller.owns(owner):
             raise Forbidden(f"attempt {attempt} of job {job_id} is not runner {ctx.caller.name!r}'s",
                             field="attempts")
-    out = []
-    for ref, key in zip(body.attempts, refs, strict=True):  # one short transaction each: each locks its job's row
-        held = lifecycle.hold(db, job_id=ref.job_id, attempt=ref.attempt, node_rank=ref.node_rank,
-                              lease_s=ctx.settings.lease_s) if key in owners else None
-        if held is None:
-            db.rollback()
-        else:
-            db.commit()
-        out.append(LeasePublic(**ref.model_dump(), held=None if held is None else
-                               HeldPublic(**dataclasses.asdict(held))))
+    mine = [key for key in refs if key in owners]
+    helds = renewals.hold_many(db, mine, jobs=renewals.lock_jobs(db, {job for job, _, _ in mine}),
+                              lease_s=ctx.settings.lease_s)  # one UPDATE for them all, one commit
+    db.commit()
+    out = [LeasePublic(**ref.model_dump(), held=public_held(helds.get(key))) for ref, key in zip(body.attempts, refs,
+                                                                                            strict=True)]
     return LeasesPublic(leases=out)
+
+
+def public_held(held: lifecycle.Held | None) -> HeldPublic | None:
+    return None if held is None else HeldPublic(**dataclasses.asdict(held))
 
 
 # --- an attempt ends -----------------------------------------------------------------------------------------

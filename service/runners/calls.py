@@ -2,4 +2,4 @@
 registers its own: service/images/calls.py); the API's router serves them, and a worker that holds the database's
 URL runs them in-process (worker/control.py DatabaseControl)."""
 
-from service.runners import assign_calls, attempt_calls, node_calls, ship_calls  # noqa: F401
+from service.runners import assign_calls, attempt_calls, node_calls, ship_calls, tick_calls  # noqa: F401

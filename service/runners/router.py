@@ -23,10 +23,10 @@ from service.jobs import lifecycle
 from service.runners import calls, credentials, protocol  # noqa: F401 (calls: every call registers)
 from service.runners.credentials import Runner
 from service.runners.models import Credential, JoinToken
+from service.runners.tick_calls import WORKER_ID, BeatBody, BeatPublic, own_registered
 from service.workers import service as workers
 
 CACHE_S = 2.0  # a credential seen within this long is not looked up again; a revocation reaches every API in it
-WORKER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,255}$"
 
 
 class Inventory(BaseModel):
@@ -54,17 +54,6 @@ class JoinPublic(BaseModel):
     credential: str = Field(description="shown once: the worker keeps it and sends it as its bearer token")
     lease_s: float
     heartbeat_s: float
-
-
-class BeatBody(BaseModel):
-    worker_id: str = Field(pattern=WORKER_ID)
-    draining: bool = False
-    pressure: str | None = Field(None, max_length=512)
-    devices: list[dict[str, Any]] | None = Field(None, max_length=4096)
-
-
-class BeatPublic(BaseModel):
-    registered: bool = Field(description="false: the row is gone (pruned while cut off): register again")
 
 
 class JoinTokenCreate(BaseModel):
@@ -136,16 +125,6 @@ def join_secret(request: Request) -> str:
     return secret
 
 
-def _check_own(db: Session, runner: Runner, worker_id: str) -> None:
-    """A worker acts only on its own rows: named after its runner, and not another runner's (or a database one's)."""
-    if not runner.owns(worker_id):
-        raise Forbidden(f"worker {worker_id!r} is not runner {runner.name!r}'s: its processes are named "
-                        f"{runner.name}, {runner.name}-<pid> and their lanes", field="worker_id")
-    owner = credentials.runner_of(db, worker_id=worker_id)
-    if owner is not None and owner != runner.name or owner is None and workers.exists(db, worker_id=worker_id):
-        raise Forbidden(f"worker {worker_id!r} is registered by another", field="worker_id")
-
-
 router = APIRouter(prefix="/v1/worker", tags=["worker protocol"])
 
 
@@ -184,7 +163,7 @@ def join(secret: Annotated[str, Depends(join_secret)], body: JoinBody, db: Sessi
 def register(body: Inventory, runner: RunnerDep, db: SessionDep) -> Response:
     """This worker process's row, made or refreshed (as workers.register does for a database worker)."""
     with db:
-        _check_own(db, runner, body.worker_id)
+        own_registered(db, runner, body.worker_id)
         workers.register(db, runner=runner.name, **body.model_dump())
         db.commit()
     return Response(status_code=204)
@@ -194,7 +173,7 @@ def register(body: Inventory, runner: RunnerDep, db: SessionDep) -> Response:
 def heartbeat(body: BeatBody, runner: RunnerDep, db: SessionDep) -> BeatPublic:
     """Liveness (the API's clock), draining, pressure, and its devices when their health changed."""
     with db:
-        _check_own(db, runner, body.worker_id)
+        own_registered(db, runner, body.worker_id)
         found = workers.beat(db, worker_id=body.worker_id, draining=body.draining, pressure=body.pressure,
                              devices=body.devices)
         db.commit()
@@ -205,7 +184,7 @@ def heartbeat(body: BeatBody, runner: RunnerDep, db: SessionDep) -> BeatPublic:
 def deregister(worker_id: str, runner: RunnerDep, db: SessionDep) -> Response:
     """A worker that stops cleanly leaves the list at once."""
     with db:
-        _check_own(db, runner, worker_id)
+        own_registered(db, runner, worker_id)
         workers.remove(db, worker_id=worker_id)
         db.commit()
     return Response(status_code=204)

@@ -139,15 +139,14 @@ def ship(db: Session, ctx: Context, body: ShipBody) -> Acknowledged:
     """One batch of an attempt's node (its output, metric points, warnings, stacks, usage samples, the metric caps'
     note, resume step and progress), in one transaction: nothing once the attempt lost its job (`lost`), nothing
     for a batch applied before (`applied`: false)."""
-    return _fenced(db, ctx, body, streams.SHIP, lambda held: _apply(db, body, held))
+    return _fenced(db, ctx, body, streams.SHIP, lambda held: apply_ship(db, body, held))
 
 
 @protocol.call("event", body=EventBody, answer=Acknowledged)
 def event(db: Session, ctx: Context, body: EventBody) -> Acknowledged:
     """A job event of an attempt's node (its checkpoints waiting for the object store, then stored again): stored
     once however often it is sent, nothing once the attempt lost its job."""
-    return _fenced(db, ctx, body, streams.EVENTS,
-                   lambda held: record_event(db, job_id=body.job_id, kind=body.kind, detail=body.detail))
+    return _fenced(db, ctx, body, streams.EVENTS, lambda held: apply_event(db, body))
 
 
 def _fenced(db: Session, ctx: Context, body: ShipBody | EventBody, stream: str, write) -> Acknowledged:
@@ -167,7 +166,11 @@ def _fenced(db: Session, ctx: Context, body: ShipBody | EventBody, stream: str, 
     return Acknowledged(applied=True, lost=False)
 
 
-def _apply(db: Session, body: ShipBody, held: lifecycle.Held) -> None:
+def apply_event(db: Session, body: EventBody) -> None:
+    record_event(db, job_id=body.job_id, kind=body.kind, detail=body.detail)
+
+
+def apply_ship(db: Session, body: ShipBody, held: lifecycle.Held) -> None:
     """The batch's parts, in today's order: the job's row (warnings, progress) last, so its lock is held only for
     the end of the transaction."""
     job_id, attempt, node_rank = body.job_id, body.attempt, body.node_rank
