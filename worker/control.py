@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 TIMEOUT_S = 10.0
 CREDENTIAL_FILE_ENV = "TRAINJOBS_WORKER_CREDENTIAL_FILE"
 JOIN_WAIT_S = 300.0  # how long a starting worker waits for its API to answer before it gives up
+QUICK_S = 15.0  # for this long a starting worker asks its API every 0.25 s (an API started with it), then backs off
 
 
 class Revoked(Exception):
@@ -161,7 +162,8 @@ class ApiControl:
 def _post_when_up(url: str, *, json: dict, headers: dict, wait_s: float = JOIN_WAIT_S) -> httpx.Response:
     """POST once the API answers: a machine may start before its API (a reboot of both, a compose file's order);
     it waits, as a kubelet does for its API server, and gives up after `wait_s`."""
-    deadline, delay = time.monotonic() + wait_s, 0.5
+    started = time.monotonic()
+    deadline, delay = started + wait_s, 0.25
     while True:
         try:
             response = httpx.post(url, json=json, headers=headers, timeout=TIMEOUT_S)
@@ -172,9 +174,10 @@ def _post_when_up(url: str, *, json: dict, headers: dict, wait_s: float = JOIN_W
             why = f"{type(exc).__name__}: {exc}"
         if time.monotonic() + delay > deadline:
             raise SystemExit(f"trainjobs worker: {url} did not answer for {wait_s:.0f}s ({why})")
-        log.warning("the API is not answering yet (%s); trying again in %.1fs", why, delay)
+        if time.monotonic() - started > QUICK_S:  # an API starting beside it answers within seconds: no backoff yet
+            log.warning("the API is not answering yet (%s); trying again in %.1fs", why, delay)
+            delay = min(10.0, delay * 2)
         time.sleep(delay)
-        delay = min(10.0, delay * 2)
 
 
 def _detail(response: httpx.Response) -> str:
