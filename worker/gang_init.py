@@ -23,7 +23,7 @@ def main() -> int:
         os.waitpid(pid, 0)
     child = os.fork()
     if child == 0:
-        os.execv(argv[0], argv)
+        os.execvp(argv[0], argv)  # PATH-searched: in an image, torchrun starts on its python3 by name
     # The supervisor signals torchrun itself (it finds every process of the attempt): this one only outlives it,
     # since the sandbox ends when its first process does. A handler, not SIG_IGN: torchrun was forked already.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -10,12 +10,14 @@ import functools
 import os
 import re
 import shutil
+import stat
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import trainjobs
 import worker
+from trainjobs import runenv
 from worker import images
 
 # The host's GPU driver, as the NVIDIA container toolkit lends it: its user-space libraries and nvidia-smi, read-only,
@@ -97,19 +99,82 @@ def image_root(rootfs: Path, points: list[str], dest: str = "/") -> list[str]:
     return args
 
 
+# What the image's config knows better than the worker: the locale its root has files for. The worker's other
+# variables (its network interfaces, NCCL's tuning, thread counts, the operator's TRAINJOBS_JOB_ENV) describe the
+# machine, and win over the image's.
+IMAGE_WINS = ("LANG", "LANGUAGE", "TZ", "LC_*")
+MAX_LINKS = 40  # as the kernel's path walk: a WorkingDir behind more links than this is not followed
+
+
+def _image_wins(name: str) -> bool:
+    return any(name.startswith(p[:-1]) if p.endswith("*") else name == p for p in IMAGE_WINS)
+
+
+def image_env(image: images.Image) -> dict[str, str]:
+    """The image config's Env a job gets: all of it but the names a job's spec.env may not set either
+    (runenv.reserved_env: the worker's own TRAINJOBS_*, HOME, TMPDIR, the visible devices, LD_PRELOAD and what else
+    loads code). PATH, PYTHONPATH and LD_LIBRARY_PATH are the image's too, merged by job_env."""
+    return {k: v for k, v in image.env.items() if not runenv.reserved_env(k)}
+
+
+def with_image_env(worker_env: dict[str, str], image: images.Image | None) -> dict[str, str]:
+    """The worker's variables a job gets (sandbox.job_env), with its image's Env laid in: over the locale, under
+    the rest. spec.env is laid over this, and the worker's run names over that (worker/launch.py render)."""
+    if image is None:
+        return worker_env
+    env = {k: v for k, v in worker_env.items() if _image_wins(k)}
+    env.update(image_env(image))
+    env.update({k: v for k, v in worker_env.items() if not _image_wins(k)})
+    return env
+
+
 def job_env(env: dict[str, str], image: images.Image, devices: tuple[str, ...] = ()) -> dict[str, str]:
-    """The job's variables in its image: the image's PATH (it finds the image's python3), trainjobs' packages on
-    PYTHONPATH, and not the host's LD_LIBRARY_PATH (the image's own libraries, not the host's); with a GPU, the
-    lent driver's folders first on both."""
+    """The job's variables in its image: the image's PATH (it finds the image's python3); on PYTHONPATH the job's
+    (its scripts), trainjobs' packages, then the image's own; the image's LD_LIBRARY_PATH, not the host's. With a
+    GPU, the lent driver's folders first on PATH and last on LD_LIBRARY_PATH."""
     env = {k: v for k, v in env.items() if k != "LD_LIBRARY_PATH"}
     runtime = [str(Path(p).parent) for p in runtime_paths()]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in (env.get("PYTHONPATH"), *runtime) if p))
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in (env.get("PYTHONPATH"), *runtime,
+                                                                  image.env.get("PYTHONPATH")) if p))
     env["PATH"] = image.path
+    own = [p for p in image.env.get("LD_LIBRARY_PATH", "").split(":") if p]
     if driver_mounts(devices):  # after the image's own folders, as NVIDIA's images name it: their compat libcuda first
-        own = [p for p in image.env.get("LD_LIBRARY_PATH", "").split(":") if p]
-        env["LD_LIBRARY_PATH"] = ":".join(own if NVIDIA_LIB in own else [*own, NVIDIA_LIB])
+        own = own if NVIDIA_LIB in own else [*own, NVIDIA_LIB]
         env["PATH"] = f"{NVIDIA_BIN}:{image.path}"
+    if own:
+        env["LD_LIBRARY_PATH"] = ":".join(own)
     return env
+
+
+def start_dir(image: images.Image) -> str | None:
+    """The image's WorkingDir, where it names a folder of the image; None without one. Walked on the host inside
+    the rootfs, each link resolved against the image's root (never the host's): only whether it is there is
+    asked here; bwrap's --chdir then goes to it inside the sandbox."""
+    if not image.workdir.startswith("/"):
+        return None
+    parts, here, hops = [p for p in image.workdir.split("/") if p not in ("", ".")], image.rootfs, 0
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            here = here.parent if here != image.rootfs else here
+            continue
+        step = here / part
+        try:
+            info = os.lstat(step)
+        except OSError:
+            return None
+        if stat.S_ISLNK(info.st_mode):
+            hops += 1
+            target = os.readlink(step)
+            if hops > MAX_LINKS:
+                return None
+            here = image.rootfs if target.startswith("/") else here
+            parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+        elif stat.S_ISDIR(info.st_mode):
+            here = step
+        else:
+            return None
+    return image.workdir
 
 
 def driver_files() -> dict[str, str]:
@@ -155,7 +220,7 @@ def driver_mounts(devices: tuple[str, ...]) -> list[str]:
 def check(image: images.Image, probe: Callable[[list[str]], subprocess.CompletedProcess], *, builtin: bool) -> str:
     """The image's torch version, from running IMAGE_CHECK on its python3 (`probe(argv)`: in the job's sandbox,
     as its uid), or ImageUnusable saying what is missing. Remembered per image (a second job on it starts
-    without the check)."""
+    without the check). A job of the user's own code (not `builtin`) starts in the image's WorkingDir."""
     checked = image.entry / "checked"
     if checked.is_file():
         version = checked.read_text().strip()
@@ -170,6 +235,9 @@ def check(image: images.Image, probe: Callable[[list[str]], subprocess.Completed
     if builtin and _older(version, (2, 4)):
         raise images.ImageUnusable(f"image {image.reference}: torch {version} in the image; the built-in runtime "
                                    "needs 2.4 or later")
+    # NOTE: the built-in runtime starts in its run dir all the same: `python -m worker.train` puts its folder first
+    # on sys.path, where an image's own `worker` or `trainjobs` in its WorkingDir would hide the worker's.
+    image.cwd = None if builtin else start_dir(image)
     return version
 
 

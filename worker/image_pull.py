@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from service.images import calls  # noqa: F401 (a database worker runs the image calls in-process: registered)
 from service.settings import Settings
 from worker import control as worker_control
+from worker.image_box import CHECK_TIMEOUT_S
 from worker.images import Image, ImageUnavailable
 from worker.lease import Lease
 
@@ -104,7 +105,11 @@ class ForJob:
             log.warning("job %s: its phase %r was not written: %s", self.ref["job_id"], phase, exc)
 
     def pulled(self, image: Image) -> None:
-        """The digest the attempt runs, as a job event; best effort (the pull itself went well)."""
+        """The digest the attempt runs, as a job event; best effort (the pull itself went well). The start check
+        follows (image_box.check: the image's python3 imports its torch, up to CHECK_TIMEOUT_S on a cold image):
+        the lease is kept through it."""
+        if self.lease is not None:
+            self.lease.tick(busy_s=CHECK_TIMEOUT_S)
         try:
             self.control.call("image-pulled", {**self.ref, "digest": image.digest, "pulled_s": image.pulled_s})
         except (worker_control.Unreachable, worker_control.Refused) as exc:

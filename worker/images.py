@@ -86,9 +86,10 @@ class Image:
     digest: str  # sha256:<hex> of the manifest the reference names
     rootfs: Path
     env: dict[str, str] = field(default_factory=dict)  # the image config's Env
-    workdir: str = ""
+    workdir: str = ""  # the image config's WorkingDir
     pulled_s: float | None = None  # seconds this attempt spent pulling and unpacking; None: found in the cache
     lock_fd: int | None = None
+    cwd: str | None = None  # where a job of the user's own code starts in it (image_box.check: its WorkingDir)
 
     @property
     def path(self) -> str:
@@ -191,14 +192,15 @@ class ImageCache:
         config = json.loads((final / "config.json").read_text())
         env = dict(item.split("=", 1) for item in (config.get("Env") or []) if "=" in item)
         self.evict(keep=name)
-        return Image(reference, digest, final / "rootfs", env, config.get("WorkingDir") or "", pulled_s, fd)
+        return Image(reference, digest, final / "rootfs", env, workdir=config.get("WorkingDir") or "",
+                     pulled_s=pulled_s, lock_fd=fd)
 
     def _pull_once(self, reference: str, digest: str, final: Path, *, job: "ForJob | None", auth: str | None,
                    manifest: bytes | None) -> float | None:
         """Pull under <hex>.pull: another lane pulling the same image is waited for, and its copy used (None)."""
         fd = os.open(self.root / f"{final.name}.pull", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._wait_turn(fd, reference, job)
             if (final / "rootfs").is_dir():
                 return None
             started = time.monotonic()
@@ -206,6 +208,21 @@ class ImageCache:
             return time.monotonic() - started
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _wait_turn(fd: int, reference: str, job: "ForJob | None") -> None:
+        """The pull lock, waited for while another lane pulls the image: the job told so and its lease kept (a
+        large image's pull outlasts a lease many times over)."""
+        if job is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                job.say(f"waiting for image {reference}: another job on this worker is pulling it")
+                time.sleep(PROGRESS_POLL_S)
 
     def resolve(self, reference: str, job: "ForJob | None" = None, auth: str | None = None
                 ) -> tuple[str, bytes | None]:

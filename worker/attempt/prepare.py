@@ -11,7 +11,7 @@ from service.storage import StoreUnavailable
 from trainjobs import paths
 from trainjobs.spec import JobSpec, read_requirements, requirement_problem
 from trainjobs.states import ErrorType
-from worker import environments, image_pull, images, launch, packages, sandbox, store_init, store_sync
+from worker import environments, image_box, image_pull, images, launch, packages, sandbox, store_init, store_sync
 from worker.attempt.place import Placed
 from worker.lease import Lease
 
@@ -151,12 +151,13 @@ def render(spec: JobSpec, settings: Settings, *, job_id: str, attempt: int, run_
            python: str, code: Code, placed: Placed, gang: launch.Gang | None,
            environ: dict[str, str] | None = None) -> launch.Launch:
     """torchrun's command line and environment: the worker's variables a job gets (`environ`: this process's by
-    default), its own GPUs visible, OMP_NUM_THREADS from its cores' share."""
+    default) and its image's Env, its own GPUs visible, OMP_NUM_THREADS from its cores' share."""
     if code.image is not None:
         python = "python3"  # the image's, found on its PATH inside the sandbox
     return launch.render(
         spec, job_id=job_id, attempt=attempt, run_dir=run_dir, python=python, data_dir=settings.data_dir,
         job_dir=job_dir, shutdown_grace_s=settings.cancel_grace_s,
-        base_env=placed.env(sandbox.job_env(settings, environ)), cpu_count=len(placed.cores) or os.cpu_count() or 1,
+        base_env=placed.env(image_box.with_image_env(sandbox.job_env(settings, environ), code.image)),
+        cpu_count=len(placed.cores) or os.cpu_count() or 1,
         scripts_dir=code.scripts_dir, entry_script=code.entry_script, gang=gang, init_from=code.init_from,
     )

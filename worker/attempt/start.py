@@ -20,7 +20,8 @@ def enclose(settings: Settings, *, job_id: str, run_dir: Path, job_dir: Path, py
     """The attempt's sandbox (where this worker makes one) and its cgroup, bounded to its share's memory."""
     return sandbox.Box(sandbox.for_worker(settings), settings, sandbox.Attempt(
         job_id=job_id, run_dir=run_dir, job_dir=job_dir, python="python3" if code.image else python,
-        data_dir=settings.data_dir, scripts_dir=code.scripts_dir, cwd=code.code_dir or run_dir,
+        data_dir=settings.data_dir, scripts_dir=code.scripts_dir,
+        cwd=code.code_dir or (Path(code.image.cwd) if code.image and code.image.cwd else run_dir),  # in the image
         init_from=code.init_from, init_job=code.init_job, gang=gang is not None,
         node_rank=gang.node_rank if gang else 0, devices=placed.device_nodes(), image=code.image,
     ), memory_bytes=placed.memory_bytes(sandbox.default_memory_bytes()), cpus=placed.cores)
