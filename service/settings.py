@@ -39,8 +39,10 @@ class Settings(BaseSettings):
     api_url: str = "http://127.0.0.1:8000"
     # A worker that joins the pool through the API (issue 42): its registration and heartbeat go to this URL with
     # a worker credential of its own, got once for the join token (`trainjobs worker --api URL --join-token T`).
-    worker_api: str | None = Field(None, description="the API a worker joins (its registration and heartbeat go "
-                                   "there, with a credential of its own); unset: it writes the database itself")
+    worker_api: str | None = Field(None, description="the API a worker joins (every call it makes goes there, "
+                                   "with a credential of its own); unset: refused unless TRAINJOBS_WORKER_DATABASE=1")
+    worker_database: bool = Field(False, description="a worker with no API writes the database itself (its URL in "
+                                  "its environment): only where it runs no one else's code; else refused")
     worker_join_token: str | None = Field(None, repr=False, description="the join token an admin made "
                                           "(`trainjobs worker-token create`), exchanged once for a credential")
     worker_credential_file: Path | None = Field(None, description="where a joined worker keeps its credential "

@@ -22,6 +22,9 @@ from service.settings import Settings
 CONFIGURED_POSTGRES_URL = os.environ.get("TRAINJOBS_TEST_POSTGRES_URL",
                                          "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 CONFIGURED_REDIS_URL = os.environ.get("TRAINJOBS_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+# The tests start database workers (a worker with no API) beside joined ones: `trainjobs worker` refuses one unless
+# asked for by name (tests/test_worker_join.py pins the refusal).
+os.environ["TRAINJOBS_WORKER_DATABASE"] = "1"
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under pytest-xdist; None in a plain run
 
 

@@ -3,6 +3,10 @@ join token is exchanged once for a worker credential; the worker registers and b
 it is refused on every user route, a user's token is refused on the worker's, a worker acts only on its own rows,
 and a revoked credential stops its worker, which hands its job back."""
 
+import os
+import subprocess
+import sys
+
 import psutil
 
 from tests.conftest import admin_token, mlp_spec
@@ -173,3 +177,15 @@ def test_an_operator_s_join_token_file_lets_machines_join_from_the_api_s_start_a
     token_file.write_text("hunter2")
     with pytest.raises(RuntimeError, match="holds no join token"), TestClient(create_app(with_file)):
         pass
+
+
+def test_a_worker_given_no_api_is_refused_unless_asked_to_write_the_database_itself(postgres_url, tmp_path):
+    """A worker holds no database URL (issue 42): `trainjobs worker` with only the database's refuses to start,
+    naming how to join; TRAINJOBS_WORKER_DATABASE=1 is the by-name way to a database worker (tests, one machine)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRAINJOBS_WORKER_DATABASE"}
+    env |= {"TRAINJOBS_DATABASE_URL": postgres_url, "TRAINJOBS_DATA_DIR": str(tmp_path / "data"),
+            "TMPDIR": str(tmp_path)}
+    refused = subprocess.run([sys.executable, "-m", "worker.main", "--burst"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0
+    assert "--api URL with --join-token" in refused.stderr and "TRAINJOBS_WORKER_DATABASE=1" in refused.stderr

@@ -34,6 +34,10 @@ from worker.sandbox import REDIS_AUTH_LABEL
 from worker.tick import SOCKET_ENV, Relay
 
 log = logging.getLogger(__name__)
+NO_API = ("trainjobs worker: give it the API to join: --api URL with --join-token T (or TRAINJOBS_WORKER_API and "
+          "TRAINJOBS_JOIN_TOKEN_FILE); an admin makes the token with `trainjobs worker-token create`. A worker holds "
+          "no database URL (docs/operations/deployment.md). One that writes the database itself, on a machine that "
+          "runs no one else's code, needs TRAINJOBS_WORKER_DATABASE=1")
 RESTART_MAX_S = 5.0  # the longest wait between two starts of the worker loop after an outage
 _stop_signals: list[int] = []  # shutdown signals that came before RQ's loop took them over (PreemptingWorker)
 
@@ -151,7 +155,10 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     runner = control.runner_name()  # before the default name below: a joined machine's name in the pool
     name = os.environ.get("TRAINJOBS_WORKER_NAME") or f"{socket.gethostname()}-{os.getpid()}"
     os.environ["TRAINJOBS_WORKER_NAME"] = name
-    # Issue 42: a worker that joins through the API registers and beats there, with a credential of its own.
+    # Issue 42: a worker that joins through the API registers and beats there, with a credential of its own; one
+    # that writes the database itself (its URL where tenants' code runs) only when asked for by name.
+    if not settings.worker_api and not settings.worker_database:
+        raise SystemExit(NO_API)
     own = control.joined(settings, runner=runner) if settings.worker_api else None
     os.environ.pop("TRAINJOBS_WORKER_JOIN_TOKEN", None)  # spent: not for the work-horses
     support = sandbox.detect(settings)

@@ -159,7 +159,7 @@ class Stack:
         """What a worker of this stack is given on top of env(): where to join, and no database URL (it reaches
         the database only through the API)."""
         if not self.join:
-            return {}
+            return {"TRAINJOBS_WORKER_DATABASE": "1"}
         return {"TRAINJOBS_WORKER_API": self.api_url, "TRAINJOBS_JOIN_TOKEN_FILE": str(self.join_token or ""),
                 "TRAINJOBS_DATABASE_URL": ""}
 
