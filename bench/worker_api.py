@@ -3,21 +3,23 @@ workers that hold no database URL do, against PostgreSQL behind one or more API 
 
 The "after" of bench/control_plane.py (whose workers are database clients): the same seed (N workers, 8N jobs
 `running`, each with its attempt and device hold, `bench.control_plane.seed`), each worker a runner with its own
-credential, and the same cadence a real worker keeps, over HTTP with one keep-alive connection per client thread:
+credential, and the same cadence a real worker keeps, over HTTP with one keep-alive connection per client thread.
+A worker-tick (poll_s, 0.5 s) of a worker running 8 jobs whose ranks report a step a second: 4 batches (the other 4
+jobs have nothing new this tick, and a ship with nothing new sends nothing), each with 10 metric points, a log
+line, the changed progress and a sequence number; every heartbeat_s (2 s, a quarter of the ticks) its heartbeat and
+all 8 leases. One batch in ten is sent again as it was (a retry after a lost answer): acknowledged, applied once.
+`--mode` says how the worker sends a tick:
 
-- a worker-tick (poll_s, 0.5 s) of a worker running 8 jobs whose ranks report a step a second: 4 `ship` calls (the
-  other 4 jobs have nothing new this tick, and a ship with nothing new sends nothing), each with 10 metric points,
-  a log line, the changed progress and a sequence number; every heartbeat_s (2 s, a quarter of the ticks) one
-  `heartbeat` and one `leases` call renewing all 8 attempts;
-- one in ten ships is sent twice with the same sequence number (a retry after a lost answer): acknowledged,
-  applied once.
+- `calls`: a `ship` call per batch, and every heartbeat_s a `heartbeat` and a `leases` call (8 renewals);
+- `tick`: one `tick` call carrying all of it (service/runners/tick_calls.py); a retry sends the tick again.
 
 One Python process cannot offer 1,000 workers' load on 2 cores; as in bench/control_plane.py the figure that
 scales is each kind of call's CPU (the API processes' and their PostgreSQL backends', from /proc) per call, times
 its offered rate. Connections are counted in pg_stat_activity during the window: the API processes' pools alone.
 
     TRAINJOBS_BENCH_POSTGRES_URL=postgresql+psycopg://postgres@127.0.0.1:5432/bench_wapi \\
-    TRAINJOBS_BENCH_REDIS_URL=redis://127.0.0.1:6379/7 .venv/bin/python bench/worker_api.py [--quick]
+    TRAINJOBS_BENCH_REDIS_URL=redis://127.0.0.1:6379/7 .venv/bin/python bench/worker_api.py \\
+        [--mode calls|tick] [--quick]
 """
 
 import argparse
@@ -42,8 +44,8 @@ from service.settings import Settings  # noqa: E402
 from service.workers.models import Worker  # noqa: E402
 
 NAMES = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mem_gb", "acc", "ppl", "loss_ema", "throughput")
-KINDS = ("ship", "heartbeat", "leases")
-REPLAY_EVERY = 10  # one ship in ten sent twice
+KINDS = ("ship", "heartbeat", "leases", "tick")
+REPLAY_EVERY = 10  # one batch in ten sent twice
 
 
 def make_runners(sessions, *, have: int, n: int, into: dict[int, str]) -> None:
@@ -79,13 +81,19 @@ class Job:
 class Drive:
     """Client threads working through the workers' ticks in the real mix, as fast as they go."""
 
-    def __init__(self, api_url: str, secrets: dict[int, str], n: int, seconds: float):
+    def __init__(self, api_url: str, secrets: dict[int, str], n: int, seconds: float, mode: str,
+                 jobs: dict[int, list[Job]]):
         self.api_url, self.secrets, self.n, self.deadline = api_url, secrets, n, time.monotonic() + seconds
-        self.jobs = {w: [Job(job_id(w, d)) for d in range(DEVICES)] for w in range(n)}
+        self.mode = mode
+        for w in range(n):  # kept from step to step: a job's next batch has the next sequence number
+            jobs.setdefault(w, [Job(job_id(w, d)) for d in range(DEVICES)])
+        self.jobs = jobs
         self.lat: dict[str, list[float]] = {k: [] for k in KINDS}
-        self.calls = {k: 0 for k in KINDS} | {"replay": 0, "errors": 0, "ticks": 0}
+        self.calls = {k: 0 for k in KINDS} | {"replay": 0, "errors": 0, "ticks": 0, "batches": 0}
         self.lock = threading.Lock()
         self.next_worker = 0
+        self.ticked: dict[int, int] = {}  # each worker's ticks so far
+        self.again: dict[int, list[dict]] = {}  # each worker's batches to send again (tick mode)
 
     def take(self) -> int | None:
         with self.lock:
@@ -95,6 +103,11 @@ class Drive:
             self.calls["ticks"] += 1
             return w
 
+    def replay_due(self) -> bool:
+        with self.lock:
+            self.calls["batches"] += 1
+            return self.calls["batches"] % REPLAY_EVERY == 0
+
     def run(self) -> None:
         with httpx.Client(base_url=self.api_url, timeout=60) as client:
             while (w := self.take()) is not None:
@@ -103,18 +116,31 @@ class Drive:
     def tick(self, client: httpx.Client, w: int) -> None:
         headers = {"Authorization": f"Bearer {self.secrets[w]}"}
         jobs, now = self.jobs[w], time.time()
-        half = jobs[::2] if self.calls["ticks"] % 2 else jobs[1::2]  # 4 of 8 have a new step this tick
-        for job in half:
-            body = job.batch(now)
+        with self.lock:
+            number = self.ticked[w] = self.ticked.get(w, 0) + 1  # this worker's own tick
+            again, self.again[w] = self.again.get(w, []), []
+        half = jobs[::2] if number % 2 else jobs[1::2]  # 4 of 8 have a new step this tick
+        batches = [job.batch(now) for job in half]
+        beat = number % 4 == w % 4  # every heartbeat_s: a quarter of its ticks
+        refs = [{"job_id": j.id, "attempt": 1, "node_rank": 0} for j in jobs]
+        replays = [body for body in batches if self.replay_due()]
+        if self.mode == "tick":  # a batch whose answer was lost goes again in the worker's next tick
+            body = {"heartbeat": {"worker_id": worker_id(w)} if beat else None, "leases": refs if beat else [],
+                    "ships": again + batches, "events": []}
+            self.post(client, "tick", body, headers, again=len(again))
+            with self.lock:
+                self.again[w] = replays
+            return
+        for body in batches:
             self.post(client, "ship", body, headers)
-            if job.seq % REPLAY_EVERY == 0:
-                self.post(client, "ship", body, headers, kind="replay")
-        if self.calls["ticks"] % 4 == w % 4:  # every heartbeat_s: a quarter of the ticks
+            if any(body is replay for replay in replays):
+                self.post(client, "ship", body, headers, again=1)
+        if beat:
             self.post(client, "heartbeat", {"worker_id": worker_id(w)}, headers)
-            refs = [{"job_id": j.id, "attempt": 1, "node_rank": 0} for j in jobs]
             self.post(client, "leases", {"attempts": refs}, headers)
 
-    def post(self, client: httpx.Client, call: str, body: dict, headers: dict, kind: str | None = None) -> None:
+    def post(self, client: httpx.Client, call: str, body: dict, headers: dict, again: int = 0) -> None:
+        """The call; of the batches it carries, the first `again` were sent before (acknowledged, not applied)."""
         t = time.perf_counter()
         r = client.post(f"/v1/worker/{call}", json=body, headers=headers)
         took = time.perf_counter() - t
@@ -124,10 +150,12 @@ class Drive:
                 if self.calls["errors"] <= 3:
                     print(f"  {call}: HTTP {r.status_code} {r.text[:300]}", file=sys.stderr)
                 return
-            if kind == "replay":
-                assert r.json()["applied"] is False, r.text  # acknowledged, not applied again
-            self.calls[kind or call] += 1
-            self.lat[call].append(took)
+            acks = r.json()["ships"] if call == "tick" else [r.json()] if call == "ship" else []
+            assert [ack["applied"] for ack in acks] == [i >= again for i in range(len(acks))], r.text
+            self.calls["replay"] += again
+            if call != "ship" or not again:
+                self.calls[call] += 1
+                self.lat[call].append(took)
 
 
 def backends(monitor, dbname: str) -> list[int]:
@@ -149,8 +177,8 @@ def api_pids(stack: Stack) -> list[int]:
 
 
 def run_step(stack: Stack, monitor, dbname: str, secrets: dict[int, str], n: int, *, seconds: float,
-             threads: int) -> dict:
-    drive = Drive(stack.api_url, secrets, n, seconds)
+             threads: int, mode: str, jobs: dict[int, list[Job]]) -> dict:
+    drive = Drive(stack.api_url, secrets, n, seconds, mode, jobs)
     pg0 = {pid: cpu_s(pid) for pid in backends(monitor, dbname)}
     apis = api_pids(stack)
     api0, t0 = sum(cpu_s(p) for p in apis), time.monotonic()
@@ -166,8 +194,8 @@ def run_step(stack: Stack, monitor, dbname: str, secrets: dict[int, str], n: int
     pg = sum(max(0.0, cpu_s(pid) - pg0.get(pid, 0.0)) for pid in set(pg0) | set(pg1))
     api = sum(cpu_s(p) for p in apis) - api0
     ticks = drive.calls["ticks"]
-    ship = drive.lat["ship"] or [float("nan")]
-    return {"n": n, "seconds": round(wall, 1), "worker_ticks": ticks, "calls": drive.calls,
+    ship = drive.lat["tick" if mode == "tick" else "ship"] or [float("nan")]  # the request that carried a batch
+    return {"mode": mode, "n": n, "seconds": round(wall, 1), "worker_ticks": ticks, "calls": drive.calls,
             "pg_connections_max": max(connections or [0]),
             "pg_cpu_ms_per_worker_tick": pg * 1000 / ticks if ticks else None,
             "api_cpu_ms_per_worker_tick": api * 1000 / ticks if ticks else None,
@@ -179,6 +207,8 @@ def run_step(stack: Stack, monitor, dbname: str, secrets: dict[int, str], n: int
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("calls", "tick"), default="calls",
+                        help="a call per batch and per heartbeat_s, or one tick call per worker-tick")
     parser.add_argument("--ns", default="100,250,500,1000")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--threads", type=int, default=8)
@@ -201,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = make_engine(url)
     monitor = sessions = make_sessionmaker(engine)
     secrets: dict[int, str] = {}
+    jobs: dict[int, list[Job]] = {}
     results = []
     with Stack(settings, port=free_port(), workers=0, quiet=True, api_workers=args.api_workers) as stack:
         have = 0
@@ -208,12 +239,14 @@ def main(argv: list[str] | None = None) -> None:
             seed(sessions, have=have, n=n)
             make_runners(sessions, have=have, n=n, into=secrets)
             have = n
-            r = run_step(stack, monitor, dbname, secrets, n, seconds=seconds, threads=args.threads)
+            r = run_step(stack, monitor, dbname, secrets, n, seconds=seconds, threads=args.threads, mode=args.mode,
+                         jobs=jobs)
             results.append(r)
-            print(f"N={n}: {r['worker_ticks']} worker-ticks in {r['seconds']} s; "
+            print(f"{args.mode} N={n}: {r['worker_ticks']} worker-ticks in {r['seconds']} s; "
                   f"PG connections {r['pg_connections_max']}; "
                   f"PG {r['pg_cpu_ms_per_worker_tick']:.2f} ms, API {r['api_cpu_ms_per_worker_tick']:.2f} ms "
-                  f"CPU per worker-tick; ship p50 {r['ship_p50_ms']:.1f} / p99 {r['ship_p99_ms']:.1f} ms; "
+                  f"CPU per worker-tick; ship (the request carrying a batch) p50 {r['ship_p50_ms']:.1f} / p99 "
+                  f"{r['ship_p99_ms']:.1f} ms; "
                   f"at the offered load PG {r['pg_cores_at_offered']:.2f} cores, "
                   f"API {r['api_cores_at_offered']:.2f} cores; calls {r['calls']}", flush=True)
     engine.dispose()

@@ -128,12 +128,14 @@ def test_points_copied_on_postgresql_are_exactly_those_an_insert_stores(db_url, 
     copied, copied_tail = ship_all()
     inserted_by = []
 
-    def insert_as_before(db, *, job_id, attempt, node_rank, rows):
-        inserted_by.append(len(rows))
+    def insert_as_before(db, *, job_id, attempt, node_rank, steps, names, name_index, values, micros):
+        inserted_by.append(len(steps))
         db.execute(insert(Metric), [{"job_id": job_id, "attempt": attempt, "node_rank": node_rank, "step": step,
-                                     "name": name, "value": value, "time": t} for step, name, value, t in rows])
+                                     "name": names[i], "value": value,
+                                     "time": metrics.PG_EPOCH + m * metrics.MICROSECOND}
+                                    for step, i, value, m in zip(steps, name_index, values, micros, strict=True)])
 
-    monkeypatch.setattr(metrics, "copy_points", insert_as_before)
+    monkeypatch.setattr(metrics, "copy_columns", insert_as_before)
     inserted, inserted_tail = ship_all()
     assert bool(inserted_by) == db_url.startswith("postgresql")  # SQLite inserts either way
 

@@ -7,9 +7,11 @@ latest attempt wins): steps past a block's last merge into it; steps it already 
 from a checkpoint) make it be recomputed from its rows.
 """
 
+import operator
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import groupby
+from itertools import groupby, repeat
 
 from sqlalchemy import Row, case, func, or_, select, tuple_
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -19,6 +21,9 @@ from sqlalchemy.orm import Session
 from service.metrics.models import Metric, MetricBlock
 
 BLOCK_STEPS = 256
+SHIFT = BLOCK_STEPS.bit_length() - 1  # step >> SHIFT is its block
+BLOCK_MASK = (1 << (32 - SHIFT)) - 1
+STEP_MASK = (1 << 32) - 1
 IN_CHUNK = 500  # (name, block) pairs per IN list
 KEY_FIELDS = ("job_id", "node_rank", "name", "block")
 SUMMARY_FIELDS = ("points", "last_step", "last_value", "min_step", "min_value", "max_step", "max_value")
@@ -64,36 +69,67 @@ def block_points(db: Session, *, job_id: str, name: str, block: int, after_step:
 
 
 def record(db: Session, *, job_id: str, rows: Iterable[tuple[int, str, float]], node_rank: int = 0) -> None:
-    """Update the blocks of one node's points just inserted (same transaction, after the insert).
+    """record_columns of (step, name, value) rows."""
+    steps, names, values = list(zip(*rows, strict=True)) or ((), (), ())
+    index = {name: i for i, name in enumerate(dict.fromkeys(names))}
+    record_columns(db, job_id=job_id, node_rank=node_rank, steps=steps, names=list(index),
+                   name_index=list(map(index.__getitem__, names)), values=values)
+
+
+def record_columns(db: Session, *, job_id: str, node_rank: int, steps: Sequence[int], names: Sequence[str],
+                   name_index: Sequence[int], values: Sequence[float]) -> None:
+    """Update the blocks of one node's points just inserted (same transaction, after the insert); point i is
+    (steps[i], names[name_index[i]], values[i]).
 
     Two statements however many blocks a batch touches: one read of their summaries, one upsert of the new ones
-    (a ship of one step of ten series once cost ten UPDATEs, one a block).
+    (a ship of one step of ten series once cost ten UPDATEs, one a block). The points are keyed (name, step) in
+    one integer, deduplicated by a dict (the later point of a step wins) and sorted, so each block is a slice found
+    by bisection and summarized by min and max at C speed: no Python statement a point (a 10,000-point batch
+    took ~16 ms of the API's CPU point by point).
     """
-    batches: dict[tuple[str, int], dict[int, float]] = {}
-    for step, name, value in rows:
-        batches.setdefault((name, step // BLOCK_STEPS), {})[step] = value  # the later row of a step wins
-    if not batches:
+    if not len(steps):
         return
-    keys, existing = list(batches), {}
-    for i in range(0, len(keys), IN_CHUNK):  # NOTE: ~8,000 pairs in one IN list exceed PostgreSQL's stack depth
+    # key = name << 32 | step (a step is below 2^31), so key >> SHIFT is (name, block) and sorting puts each
+    # block's steps together, in order.
+    latest = dict(zip(map(operator.or_, map(operator.lshift, name_index, repeat(32)), steps), values, strict=True))
+    keys = sorted(latest)
+    values = list(map(latest.__getitem__, keys))
+    batches, start = {}, 0
+    while start < len(keys):
+        group = keys[start] >> SHIFT
+        end = bisect_left(keys, (group + 1) << SHIFT, start)
+        batches[(names[group >> (32 - SHIFT)], group & BLOCK_MASK)] = (start, end)
+        start = end
+    keys_of = list(batches)
+    existing = {}
+    for i in range(0, len(keys_of), IN_CHUNK):  # NOTE: ~8,000 pairs in one IN list exceed PostgreSQL's stack depth
         existing |= {(b.name, b.block): Summary(*b[2:]) for b in db.execute(select(
             MetricBlock.name, MetricBlock.block, *(getattr(MetricBlock, f) for f in SUMMARY_FIELDS)).where(
             MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank,
-            tuple_(MetricBlock.name, MetricBlock.block).in_(keys[i:i + IN_CHUNK])))}
+            tuple_(MetricBlock.name, MetricBlock.block).in_(keys_of[i:i + IN_CHUNK])))}
     summaries = []
-    for (name, block), by_step in batches.items():
-        points = sorted(by_step.items())
+    for (name, block), (start, end) in batches.items():
+        new = _summarize_slice(keys, values, start, end)
         summary = existing.get((name, block))
         if summary is None:
-            summary = summarize(points)
-        elif points[0][0] > summary.last_step:
-            merge(summary, summarize(points))
+            summary = new
+        elif keys[start] & STEP_MASK > summary.last_step:
+            merge(summary, new)
         else:  # NOTE: steps seen before (a retry): their old values may be the block's min or max
             summary = summarize(block_points(db, job_id=job_id, node_rank=node_rank, name=name, block=block))
         summaries.append({"job_id": job_id, "node_rank": node_rank, "name": name, "block": block, **vars(summary)})
     upsert = (pg_insert if db.get_bind().dialect.name == "postgresql" else sqlite_insert)(MetricBlock)
     db.execute(upsert.on_conflict_do_update(index_elements=KEY_FIELDS,
                                             set_={f: upsert.excluded[f] for f in SUMMARY_FIELDS}), summaries)
+
+
+def _summarize_slice(keys: list[int], values: list[float], start: int, end: int) -> Summary:
+    """summarize() of one block's points keys[start:end] (in step order, each step once) and their values."""
+    part = values[start:end]
+    low, high = min(part), max(part)
+    at_low, at_high = start + part.index(low), start + part.index(high)  # the first step holding each: as summarize
+    return Summary(end - start, keys[end - 1] & STEP_MASK, values[end - 1], keys[at_low] & STEP_MASK, low,
+                   keys[at_high] & STEP_MASK, high)
 
 
 def thin(blocks: Sequence[Summary | Row], max_points: int) -> tuple[list[int], list[float]]:

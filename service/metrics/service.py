@@ -1,8 +1,9 @@
 """Write metric batches, read them back as series (whole, or thinned for a chart)."""
 
+import struct
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime
-from itertools import groupby
+from datetime import UTC, datetime, timedelta
+from itertools import chain, groupby, repeat
 
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.exc import DBAPIError
@@ -15,6 +16,11 @@ from service.metrics.models import Metric, MetricBlock
 # The columns a point is written with, and their PostgreSQL types for a binary COPY (in this order).
 COPY_COLUMNS = ("job_id", "attempt", "node_rank", "step", "name", "value", "time")
 COPY_TYPES = ("text", "int4", "int4", "int4", "text", "float8", "timestamptz")
+# A binary COPY's framing (PostgreSQL's "COPY" page, "Binary Format"), and where its timestamps count from.
+COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
+COPY_TRAILER = struct.pack(">h", -1)
+PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+MICROSECOND = timedelta(microseconds=1)
 
 
 def insert_batch(
@@ -46,20 +52,79 @@ def copy_points(db: Session, *, job_id: str, attempt: int, node_rank: int,
     errors: they are wrapped here as SQLAlchemy would (a lost connection is an OperationalError and is invalidated,
     data the database refuses a DataError), so callers tell an outage from a refusal as for any statement.
     """
+    def write(copy) -> None:
+        copy.set_types(COPY_TYPES)
+        for step, name, value, t in rows:
+            copy.write_row((job_id, attempt, node_rank, step, name, value, t))
+
+    _copy(db, write)
+
+
+def _copy(db: Session, write) -> None:
+    """`write(copy)` inside a binary COPY into metrics on the session's connection, its errors wrapped (above)."""
     conn = db.connection()
     statement = f"COPY metrics ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
     driver = conn.connection.driver_connection  # psycopg 3's Connection, inside the session's transaction
     try:
         with driver.cursor() as cursor, cursor.copy(statement) as copy:
-            copy.set_types(COPY_TYPES)
-            for step, name, value, t in rows:
-                copy.write_row((job_id, attempt, node_rank, step, name, value, t))
+            write(copy)
     except conn.dialect.loaded_dbapi.Error as exc:
         lost = conn.dialect.is_disconnect(exc, driver, None)
         if lost:
             conn.invalidate(exc)
         raise DBAPIError.instance(statement, None, exc, conn.dialect.loaded_dbapi.Error,
                                   connection_invalidated=lost, dialect=conn.dialect) from exc
+
+
+def insert_points(db: Session, *, job_id: str, attempt: int, node_rank: int, steps: Sequence[int],
+                  names: Sequence[str], name_index: Sequence[int], values: Sequence[float],
+                  times: Sequence[float]) -> int:
+    """Insert one node's points by column, as a worker ships them (service/runners/points.py): point i is
+    (steps[i], names[name_index[i]], values[i], times[i] in unix seconds); and update their block summaries.
+
+    PostgreSQL: one binary COPY whose bytes are packed in a single struct.pack (copy_columns), not a Python call a
+    row. SQLite: one executemany. The rows are those insert_batch writes of the same points (times to the
+    microsecond as datetime.fromtimestamp reads them). Either in the session's transaction.
+    """
+    if not len(steps):
+        return 0
+    at = {t: datetime.fromtimestamp(t, UTC) for t in set(times)}  # a step's points share their time: few
+    if db.get_bind().dialect.name == "postgresql":
+        micros = {t: (moment - PG_EPOCH) // MICROSECOND for t, moment in at.items()}
+        copy_columns(db, job_id=job_id, attempt=attempt, node_rank=node_rank, steps=steps, names=names,
+                     name_index=name_index, values=values, micros=list(map(micros.__getitem__, times)))
+    else:
+        db.execute(insert(Metric), [
+            {"job_id": job_id, "attempt": attempt, "node_rank": node_rank, "step": step, "name": names[i],
+             "value": value, "time": at[t]}
+            for step, i, value, t in zip(steps, name_index, values, times, strict=True)])
+    blocks.record_columns(db, job_id=job_id, node_rank=node_rank, steps=steps, names=names, name_index=name_index,
+                          values=values)
+    return len(steps)
+
+
+def copy_columns(db: Session, *, job_id: str, attempt: int, node_rank: int, steps: Sequence[int],
+                 names: Sequence[str], name_index: Sequence[int], values: Sequence[float],
+                 micros: Sequence[int]) -> None:
+    """Points by column as one binary COPY (COPY_COLUMNS' order; a time in microseconds from 2000-01-01 UTC).
+
+    Each row's bytes are its fixed head (field count, job, attempt, node, the step's length), its step, its name's
+    chunk (length, UTF-8, the value's length), its value, the time's length and its time: one format piece per
+    name, joined in the points' order, packs the whole batch in one call at C speed (write_row was ~1.5 µs a row).
+    """
+    job = job_id.encode()
+    head = struct.pack(">hi", len(COPY_COLUMNS), len(job)) + job + struct.pack(">iiiii", 4, attempt, 4, node_rank, 4)
+    chunks = [struct.pack(">i", len(raw)) + raw + struct.pack(">i", 8) for raw in (name.encode() for name in names)]
+    pieces = [f"{len(head)}si{len(chunk)}sdiq" for chunk in chunks]
+    layout = ">" + "".join(map(pieces.__getitem__, name_index))
+    data = struct.pack(layout, *chain.from_iterable(zip(repeat(head), steps, map(chunks.__getitem__, name_index),
+                                                        values, repeat(8), micros)))
+
+    def write(copy) -> None:
+        for part in (COPY_HEADER, data, COPY_TRAILER):
+            copy.write(part)
+
+    _copy(db, write)
 
 
 def stored(db: Session, *, job_id: str, node_rank: int = 0) -> tuple[set[str], int]:
@@ -199,5 +264,8 @@ def shipped_rows(points: Iterable[Sequence]) -> list[tuple[int, str, float, date
 
 
 def insert_shipped(db: Session, *, job_id: str, attempt: int, points: Iterable[Sequence], node_rank: int = 0) -> int:
-    """insert_batch of points as a worker ships them (shipped_rows)."""
-    return insert_batch(db, job_id=job_id, attempt=attempt, node_rank=node_rank, rows=shipped_rows(points))
+    """insert_points of points as a worker ships them in rows, (step, name, value, unix time)."""
+    steps, names, values, times = list(zip(*points, strict=True)) or ((), (), (), ())
+    index = {name: i for i, name in enumerate(dict.fromkeys(names))}
+    return insert_points(db, job_id=job_id, attempt=attempt, node_rank=node_rank, steps=steps, names=list(index),
+                         name_index=list(map(index.__getitem__, names)), values=values, times=times)
