@@ -185,3 +185,24 @@ def test_a_node_task_asks_its_assignment_naming_its_attempt(settings, sessions, 
     assert "attempt" in str(refused.value)
     answer = control.call("assignment", {"worker_id": "a", "job_id": "0" * 20, "node_rank": 1, "attempt": 1})
     assert answer["state"] == "stale" and "unknown" in answer["reason"]
+
+
+def test_a_forming_gang_whose_nodes_are_assigned_holds_no_other_worker(settings, sessions, redis, pool,
+                                                                       monkeypatch):
+    with sessions() as db:
+        gpu_worker(db, "c", gpus=2, max_jobs=2)
+        job = queued_gang(db, redis)
+    report = run_pass(settings, sessions, redis)
+    [first], [second] = report.assigned, report.nodes
+    other = ({"a", "b", "c"} - {first.worker_id, second.worker_id}).pop()
+    claim_node_0(sessions, settings, monkeypatch, job, first.worker_id)
+    with sessions() as db:
+        small = jobs.create(db, spec=JobSpec.model_validate(mlp_spec(
+            name="small", resources={"nproc_per_node": 2, "device": "cuda"})))
+        db.commit()
+        queue.enqueue(redis, prefix=QUEUE_PREFIX, job_id=small.id, priority="normal", timeout_s=60)
+    # Node 1 is on its worker's queue, its devices held: the gang waits for no other worker, so the third one
+    # takes the next job at once.
+    after = run_pass(settings, sessions, redis)
+    assert after.handed == [queue.node_task_id(job, 1, 1)]
+    assert [(p.job_id, p.worker_id) for p in after.assigned] == [(small.id, other)]

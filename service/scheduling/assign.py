@@ -166,14 +166,18 @@ def for_pass(snap: policy.Snapshot, *, standing: Sequence[Open]) -> policy.Snaps
     """The snapshot this pass plans: the queued jobs none assigned already (one being claimed is); and an
     assignment that holds no devices (its worker's devices unknown) still fills its worker. A job with no entry on
     a priority queue (lost with Redis until the reconciler enqueues it again, or before its submission's enqueue)
-    is planned, so its reason, its place and its reservation show, but not assigned (`placements`)."""
+    is planned, so its reason, its place and its reservation show, but not assigned (`placements`). A forming
+    gang's nodes assigned and not joined yet count as on their workers: the plan holds no other worker for them."""
     assigned = {o.job_id for o in standing}
-    needs = {w.id: w.need.slots for w in snap.waiting}
+    needs = {w.id: w.need.slots for w in snap.waiting} | {r.id: r.slots for r in snap.running}
     bare: dict[str, tuple[str, int]] = {}
+    joining: dict[str, list[str]] = {}
     for o in standing:
         if o.devices is None:
             job, slots = bare.get(o.worker_id, (o.job_id, 0))
             bare[o.worker_id] = (job, slots + needs.get(o.job_id, 1))
+        if o.node_rank > 0 and not o.joined and o.status == JobStatus.STARTING:
+            joining.setdefault(o.job_id, []).append(o.worker_id)
     nodes = []
     for node in snap.nodes:
         if node.id in bare:
@@ -181,7 +185,9 @@ def for_pass(snap: policy.Snapshot, *, standing: Sequence[Open]) -> policy.Snaps
             node = dataclasses.replace(node, running=node.running or job) if node.room is None else \
                 dataclasses.replace(node, room=max(0, node.room - slots))
         nodes.append(node)
-    return dataclasses.replace(snap, nodes=nodes,
+    running = [dataclasses.replace(r, workers=(*r.workers, *(w for w in joining[r.id] if w not in r.workers)))
+               if r.id in joining else r for r in snap.running]
+    return dataclasses.replace(snap, nodes=nodes, running=running,
                                waiting=[w for w in snap.waiting if w.id not in assigned])
 
 
