@@ -6,6 +6,7 @@ after the `assignment` call says it still holds; a node undone undoes the whole 
 from dataclasses import replace
 
 import pytest
+from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 from sqlalchemy import select
 
@@ -149,6 +150,7 @@ def test_a_node_never_taken_releases_the_forming_gang_and_it_is_planned_again(se
         statuses = db.scalars(select(Attempt.status).where(Attempt.job_id == job)).all()
     assert row.status == JobStatus.QUEUED and row.attempt == 1 and statuses == ["preempted"]  # no retry spent
     assert task not in own_queue(redis, "a") + own_queue(redis, "b")
+    assert not redis.exists(RQJob.key_for(task))  # never taken: its hash goes too
     # Planned again in that pass, but node 0's devices stay held until its worker, which the release stops, frees
     # them (here, by hand): then both nodes anew, all or none.
     assert undone.assigned == [] and undone.nodes == [] and rows(sessions) == {}

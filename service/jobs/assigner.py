@@ -162,6 +162,8 @@ def undo_job(db: Session, redis: Redis, *, prefix: str, job_id: str, why: str, p
     db.commit()
     for row in rows:
         queue.off_worker_queue(redis, prefix=prefix, entry=entry_of(row), worker_id=row.worker_id)
+        if row.node_rank > 0:
+            queue.drop_node_task(redis, task_id=entry_of(row))
     return put_back and queue.put_back(db, redis, prefix=prefix, job_id=job_id)
 
 

@@ -213,6 +213,17 @@ def hand_nodes(redis: Redis, *, prefix: str, nodes: Sequence[tuple[str, int, int
     return handed
 
 
+def drop_node_task(redis: Redis, *, task_id: str) -> None:
+    """A node task's hash, while RQ says it waits (never taken: its assignment undone); a hash RQ marked started or
+    finished is the bookkeeping of a real run, and keeps its TTL."""
+    try:
+        rq_job = RQJob.fetch(task_id, connection=redis, serializer=JSONSerializer)
+    except NoSuchJobError:
+        return
+    if rq_job.get_status(refresh=False) == "queued":
+        rq_job.delete(remove_from_queue=False)
+
+
 def get_queue(redis: Redis, prefix: str, priority: str) -> Queue:
     return Queue(f"{prefix}-{priority}", connection=redis, serializer=JSONSerializer)
 
