@@ -39,7 +39,6 @@ from bench.control_plane import DEVICES, cpu_s, fresh_schema, job_id, seed  # no
 from bench.worker_api import api_pids, backends, make_runners  # noqa: E402
 from service.cli.stack import Stack  # noqa: E402
 from service.db import make_engine, make_sessionmaker  # noqa: E402
-from service.runners.points import PointColumns  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 NAMES = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mem_gb", "acc", "ppl", "loss_ema", "throughput")
@@ -55,18 +54,20 @@ def encode(points: list[tuple], encoding: str) -> list | dict:
     """The batch's points in the form asked for (service/runners/points.py reads either)."""
     if encoding == "rows":
         return [list(p) for p in points]
+    from service.runners.points import PointColumns  # (a tree before it takes rows only: --encoding rows)
+
     return PointColumns.of(points).model_dump()
 
 
 def bodies(jid: str, *, points: int, batch: int, names: tuple[str, ...], encoding: str) -> tuple[list[bytes], float]:
-    """The job's ship bodies as JSON bytes, seq 1, 2, ...; and the seconds encoding took (a worker's cost)."""
+    """The job's ship bodies as JSON bytes, seq 1, 2, ...; and the CPU-seconds encoding took (a worker's cost)."""
     steps_per_batch, t0, out, took = max(1, batch // len(names)), time.time(), [], 0.0
     for seq, first in enumerate(range(0, points // len(names), steps_per_batch), start=1):
         raw = batch_points(first, min(steps_per_batch, points // len(names) - first), names, t0)
-        started = time.perf_counter()
+        started = time.process_time()
         out.append(json.dumps({"job_id": jid, "attempt": 1, "node_rank": 0, "seq": seq,
                                "points": encode(raw, encoding)}).encode())
-        took += time.perf_counter() - started
+        took += time.process_time() - started
     return out, took
 
 

@@ -110,7 +110,7 @@ def copy_columns(db: Session, *, job_id: str, attempt: int, node_rank: int, step
 
     Each row's bytes are its fixed head (field count, job, attempt, node, the step's length), its step, its name's
     chunk (length, UTF-8, the value's length), its value, the time's length and its time: one format piece per
-    name, joined in the points' order, packs the whole batch in one call at C speed (write_row was ~1.5 µs a row).
+    name, joined in the points' order, packs the whole batch in one call at C speed (~0.5 µs a point; write_row ~1).
     """
     job = job_id.encode()
     head = struct.pack(">hi", len(COPY_COLUMNS), len(job)) + job + struct.pack(">iiiii", 4, attempt, 4, node_rank, 4)
