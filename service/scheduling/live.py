@@ -49,15 +49,15 @@ def live_nodes(db: Session, *, lost_after_s: float) -> tuple[list[Node], set[str
         rows = _decoded(w.devices)
         held = devices_held.get(w.id, {})
         load = holds.load_of(held) if w.id in devices_held else None
-        fields: dict[str, Any] = {}
+        fields: dict[str, Any] | None = {}
         if w.max_jobs > 1:
             key = (w.id, w.device, w.devices, tuple(sorted(held.items())))
-            if key not in _fields:
-                _fields[key] = scheduling.devices_of(w.id, w.device, rows, held)
-            fields = _fields[key]
+            fields = _fields.get(key)  # one read: another thread's snapshot may clear the cache meanwhile
+            if fields is None:
+                fields = _fields[key] = scheduling.devices_of(w.id, w.device, rows, held)
         nodes.append(Node(id=w.id, device=w.device, slots=w.slots, memory_bytes=w.memory_bytes,
                           labels=dict(w.labels or {}), running=w.current_job,
-                          room=scheduling.room_of(w.slots, w.max_jobs, load, rows), **fields))
+                          room=scheduling.room_of(w.slots, w.max_jobs, load, rows), **(fields or {})))
     # Of every worker's holds, a lost or draining one's too: the job is being claimed all the same.
     return nodes, {job for held in devices_held.values() for job, _ in held.values()}
 
