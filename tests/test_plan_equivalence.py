@@ -39,12 +39,12 @@ def need(rng: random.Random, *, gang: bool) -> Need:
                 nodes=rng.choice([2, 2, 3]) if gang else 1)
 
 
-def pool(seed: int) -> Snapshot:
-    """A random pool of up to 40 workers and 120 waiting jobs, the same for the same seed."""
+def pool(seed: int, workers: tuple[int, int] = (2, 40), queued: tuple[int, int] = (0, 120)) -> Snapshot:
+    """A random pool of `workers` and `queued` jobs waiting (each a range), the same for the same seed."""
     rng = random.Random(seed)
     nodes: list[Node] = []
     running: list[Running] = []
-    for i in range(rng.randint(2, 40)):
+    for i in range(rng.randint(*workers)):
         wid = f"w{rng.randint(0, 999):03d}-{i}"
         kind = rng.choice(["cuda", "cuda", "cuda", "cpu"])
         slots = rng.choice([1, 2, 4, 8, 8]) if kind == "cuda" else rng.choice([4, 8])
@@ -80,7 +80,7 @@ def pool(seed: int) -> Snapshot:
         running.append(Running(f"f{g}", rng.choice(OWNERS), "normal", 1, rng.choice([2, 3]), NOW - 50, 3600.0,
                                (host.id,), need=Need(host.device, 1, None, None, nodes=2)))
     waiting = []
-    for j in range(rng.randint(0, 120)):
+    for j in range(rng.randint(*queued)):
         priority = rng.choice(["low", "normal", "normal", "high"])
         submitted = NOW - rng.uniform(0, 3000)
         waiting.append(Waiting(f"q{j}", rng.choice(OWNERS), priority,
@@ -100,6 +100,13 @@ def pool(seed: int) -> Snapshot:
 @pytest.mark.parametrize("seed", range(300))
 def test_the_plan_decides_as_its_walks_did_on_a_random_pool(seed):
     snap = pool(seed)
+    assert asdict(policy.plan(snap)) == asdict(plan_reference.plan(snap))
+
+
+@pytest.mark.parametrize("seed", range(1000, 1006))
+def test_the_plan_decides_as_its_walks_did_on_a_large_random_pool(seed):
+    """Hundreds of workers and jobs: long heaps, many stale entries, jobs placed between jobs that wait."""
+    snap = pool(seed, workers=(150, 300), queued=(300, 600))
     assert asdict(policy.plan(snap)) == asdict(plan_reference.plan(snap))
 
 
