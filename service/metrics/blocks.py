@@ -13,8 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import groupby, repeat
 
-from sqlalchemy import Row, case, func, or_, select, tuple_
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import Row, case, func, or_, select, text, tuple_
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
@@ -99,13 +98,7 @@ def record_columns(db: Session, *, job_id: str, node_rank: int, steps: Sequence[
         end = bisect_left(keys, (group + 1) << SHIFT, start)
         batches[(names[group >> (32 - SHIFT)], group & BLOCK_MASK)] = (start, end)
         start = end
-    keys_of = list(batches)
-    existing = {}
-    for i in range(0, len(keys_of), IN_CHUNK):  # NOTE: ~8,000 pairs in one IN list exceed PostgreSQL's stack depth
-        existing |= {(b.name, b.block): Summary(*b[2:]) for b in db.execute(select(
-            MetricBlock.name, MetricBlock.block, *(getattr(MetricBlock, f) for f in SUMMARY_FIELDS)).where(
-            MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank,
-            tuple_(MetricBlock.name, MetricBlock.block).in_(keys_of[i:i + IN_CHUNK])))}
+    existing = _read(db, job_id=job_id, node_rank=node_rank, keys=list(batches))
     summaries = []
     for (name, block), (start, end) in batches.items():
         new = _summarize_slice(keys, values, start, end)
@@ -117,7 +110,46 @@ def record_columns(db: Session, *, job_id: str, node_rank: int, steps: Sequence[
         else:  # NOTE: steps seen before (a retry): their old values may be the block's min or max
             summary = summarize(block_points(db, job_id=job_id, node_rank=node_rank, name=name, block=block))
         summaries.append({"job_id": job_id, "node_rank": node_rank, "name": name, "block": block, **vars(summary)})
-    upsert = (pg_insert if db.get_bind().dialect.name == "postgresql" else sqlite_insert)(MetricBlock)
+    _write(db, summaries)
+
+
+# On PostgreSQL a batch's blocks go as arrays through statements of one text each (a statement whose text varies with
+# the count of blocks, an IN list of pairs or a multi-row VALUES, was rendered by SQLAlchemy and parsed by psycopg
+# afresh for every batch: ~1 µs of the API's CPU a point of a 10,000-point batch).
+PG_READ = text(f"""SELECT b.name, b.block, {", ".join(f"b.{f}" for f in SUMMARY_FIELDS)} FROM metric_blocks b
+JOIN unnest(CAST(:names AS text[]), CAST(:blocks AS int[])) AS k(name, block) ON b.name = k.name AND b.block = k.block
+WHERE b.job_id = :job_id AND b.node_rank = :node_rank""")
+PG_TYPES = {"points": "int", "last_step": "int", "last_value": "float8", "min_step": "int", "min_value": "float8",
+            "max_step": "int", "max_value": "float8"}
+PG_UPSERT = text(f"""INSERT INTO metric_blocks ({", ".join(KEY_FIELDS + SUMMARY_FIELDS)})
+SELECT :job_id, :node_rank, * FROM unnest(CAST(:name AS text[]), CAST(:block AS int[]),
+{", ".join(f"CAST(:{f} AS {PG_TYPES[f]}[])" for f in SUMMARY_FIELDS)})
+ON CONFLICT ({", ".join(KEY_FIELDS)}) DO UPDATE SET {", ".join(f"{f} = excluded.{f}" for f in SUMMARY_FIELDS)}""")
+
+
+def _read(db: Session, *, job_id: str, node_rank: int, keys: list[tuple[str, int]]) -> dict[tuple[str, int], Summary]:
+    """The stored summaries of these (name, block)s."""
+    if db.get_bind().dialect.name == "postgresql":
+        rows = db.execute(PG_READ, {"job_id": job_id, "node_rank": node_rank, "names": [n for n, _ in keys],
+                                    "blocks": [b for _, b in keys]})
+        return {(row[0], row[1]): Summary(*row[2:]) for row in rows}
+    existing = {}
+    for i in range(0, len(keys), IN_CHUNK):  # NOTE: ~8,000 pairs in one IN list exceed a database's stack depth
+        existing |= {(b.name, b.block): Summary(*b[2:]) for b in db.execute(select(
+            MetricBlock.name, MetricBlock.block, *(getattr(MetricBlock, f) for f in SUMMARY_FIELDS)).where(
+            MetricBlock.job_id == job_id, MetricBlock.node_rank == node_rank,
+            tuple_(MetricBlock.name, MetricBlock.block).in_(keys[i:i + IN_CHUNK])))}
+    return existing
+
+
+def _write(db: Session, summaries: list[dict]) -> None:
+    """Insert or replace these summaries (one node's: each dict holds KEY_FIELDS and SUMMARY_FIELDS)."""
+    if db.get_bind().dialect.name == "postgresql":
+        first = summaries[0]
+        db.execute(PG_UPSERT, {"job_id": first["job_id"], "node_rank": first["node_rank"],
+                               **{f: [row[f] for row in summaries] for f in ("name", "block", *SUMMARY_FIELDS)}})
+        return
+    upsert = sqlite_insert(MetricBlock)
     db.execute(upsert.on_conflict_do_update(index_elements=KEY_FIELDS,
                                             set_={f: upsert.excluded[f] for f in SUMMARY_FIELDS}), summaries)
 
