@@ -58,8 +58,9 @@ class ClaimPublic(BaseModel):
 @protocol.call("claim", body=ClaimBody, answer=ClaimPublic)
 def claim(db: Session, ctx: Context, body: ClaimBody) -> ClaimPublic:
     """queued → starting, opening the attempt (node 0) with its lease: its number and spec. A claim that would put
-    the job's team or owner over its quota leaves it queued and back on its queue. A gang's other nodes go on the
-    gang queue. The same worker claiming again before it bound the attempt (its answer lost) gets the same."""
+    the job's team or owner over its quota leaves it queued and back on its queue. A gang's claim kicks a scheduling
+    pass, which hands its other nodes' tasks to the workers it assigned them. The same worker claiming again before
+    it bound the attempt (its answer lost) gets the same."""
     protocol.own_worker(ctx.caller, body.worker_id)
     if (again := lifecycle.claimed_by(db, job_id=body.job_id, worker=body.worker_id)) is not None:
         return ClaimPublic(claimed=True, attempt=again[0], spec=again[1])
@@ -90,8 +91,8 @@ def _enqueue_nodes(ctx: Context, *, job_id: str, attempt: int, spec: JobSpec) ->
     try:
         queue.enqueue_nodes(ctx.redis, prefix=ctx.settings.queue_prefix, job_id=job_id, attempt=attempt,
                             nnodes=spec.resources.nnodes, timeout_s=spec.timeout_s)
-    except RedisError:  # the gang then times out and goes back to the queue
-        log.exception("could not enqueue the node tasks of job %s", job_id)
+    except RedisError:  # the pass's next tick hands them (or, never joined, undoes the gang)
+        log.exception("could not kick the pass that hands the node tasks of job %s", job_id)
 
 
 class BindBody(AttemptRef):
