@@ -45,8 +45,10 @@ def render(snap: policy.Snapshot, plan: policy.Plan, *, policy_name: str, planne
     waiting = {w.id: w for w in snap.waiting}
     now = snap.now
     rows: list[tuple[str, str | None, float | None]] = []  # (job, reason, estimated start)
-    rows += [(j, None, now) for j in assigned if j in waiting]
-    rows += [(p.job_id, p.reason, p.estimated_start) for p in plan.order if p.job_id not in assigned]
+    first = [j for j in dict.fromkeys(assigned) if j in waiting]
+    rows += [(j, None, now) for j in first]
+    seen = set(first)
+    rows += [(p.job_id, p.reason, p.estimated_start) for p in plan.order if p.job_id not in seen]
     jobs = [{"position": i + 1, "id": j, "owner": waiting[j].owner, "priority": waiting[j].priority, "reason": why,
              "estimated_start": eta} for i, (j, why, eta) in enumerate(rows) if j in waiting]
     return {"planned_at": now, "planned_by": planned_by, "pass": number, "policy": policy_name, "jobs": jobs,
