@@ -12,7 +12,7 @@ from itertools import repeat
 from pathlib import Path
 
 from service import jobfiles
-from service.runners.ship_calls import POINTS_MAX
+from service.runners.points import POINTS_MAX
 from trainjobs.runenv import METRIC_NAME_MAX, parse_record
 from worker.redact import Redactor
 
