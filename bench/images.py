@@ -7,8 +7,10 @@
 2. Step time: the built-in runtime on bench/throughput.py's spec (2 gloo ranks, MLP 256x3, 400 steps), sandboxed
    both ways, on the `torch` image's Python and torch vs the worker's own, alternating which goes first; the
    median step_time_s each run logged (its first record left out: warm-up), and the ratio image / worker.
+3. Compute alone: a 256x256 matmul on one thread, sandboxed, in the image vs on the worker's Python, alternating:
+   best and median of each (the step's arithmetic without gloo or the data loader).
 
-    python bench/images.py [--pull-rounds 3] [--pairs 3]      (--pull-rounds 0: the step pairs alone)
+    python bench/images.py [--pull-rounds 3] [--pairs 3] [--matmul-pairs 8]   (0: leave that part out)
 """
 
 import argparse
@@ -30,6 +32,9 @@ from trainjobs.spec import JobSpec  # noqa: E402
 from worker import image_box, images, launch, sandbox  # noqa: E402
 
 JOB_ID = "0123456789abcdef0123"
+MATMUL = ("import time, torch; torch.set_num_threads(1); a, b = torch.randn(256, 256), torch.randn(256, 256)\n"
+          "for _ in range(200): a @ b\n"
+          "t = time.perf_counter()\nfor _ in range(3000): a @ b\nprint(1000 * (time.perf_counter() - t) / 3000)")
 SPEC = {**THROUGHPUT_SPEC, "name": "bench-images"}
 
 
@@ -76,10 +81,35 @@ def train_round(root: Path, n: int, support: sandbox.Support, cache: images.Imag
     return statistics.median(times[1:])
 
 
+def matmul_round(root: Path, n: int, support: sandbox.Support, cache: images.ImageCache | None,
+                 reference: str) -> float:
+    """Milliseconds per 256x256 matmul on one thread, sandboxed, in the image (no cache: the worker's Python):
+    the step's compute alone, no gloo, no data loader."""
+    image = cache.get(reference) if cache is not None else None
+    settings = Settings(data_dir=root / "data")
+    run_dir, job_dir = root / "matmul" / f"run-{n}", root / "matmul" / "job"
+    for folder in (run_dir / "tmp", job_dir / "checkpoints", job_dir / "artifacts"):
+        folder.mkdir(parents=True, exist_ok=True)
+    python = "python3" if image is not None else sys.executable
+    box = sandbox.Box(support, settings, sandbox.Attempt(
+        job_id=JOB_ID, run_dir=run_dir, job_dir=job_dir, python=python, data_dir=settings.data_dir,
+        scripts_dir=root / "data" / "scripts", image=image), memory_bytes=None)
+    try:
+        argv, env = box.wrap([python, "-c", MATMUL], image_box.with_image_env(sandbox.job_env(settings), image))
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, preexec_fn=box.preexec,
+                              pass_fds=box.pass_fds)
+    finally:
+        box.close()
+    if done.returncode != 0:
+        raise RuntimeError(f"the matmul round exited {done.returncode}: {done.stderr[-2000:]}")
+    return float(done.stdout.strip())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pull-rounds", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--matmul-pairs", type=int, default=8)
     args = parser.parse_args()
     support = sandbox.detect(Settings())
     if not support.on:
@@ -122,8 +152,20 @@ def main() -> None:
                 print(f"pair {i + 1} ({'image first' if order[0] else 'worker first'}): worker's Python "
                       f"{1000 * step[False]:.2f} ms/step, image {1000 * step[True]:.2f} ms/step, "
                       f"ratio {ratios[-1]:.3f}")
-            print(f"step time image / worker's Python: median {statistics.median(ratios):.3f}, geometric mean "
-                  f"{statistics.geometric_mean(ratios):.3f} over {args.pairs} pairs")
+            if ratios:
+                print(f"step time image / worker's Python: median {statistics.median(ratios):.3f}, geometric mean "
+                      f"{statistics.geometric_mean(ratios):.3f} over {args.pairs} pairs")
+            took: dict[bool, list[float]] = {True: [], False: []}
+            for i in range(args.matmul_pairs):
+                for boxed in ((True, False) if i % 2 == 0 else (False, True)):
+                    took[boxed].append(matmul_round(root, 2 * i + boxed, support, cache if boxed else None,
+                                                    reference))
+            if args.matmul_pairs:
+                print(f"matmul 256x256, 1 thread, {args.matmul_pairs} alternating pairs: image best "
+                      f"{min(took[True]):.3f} ms, median {statistics.median(took[True]):.3f}; worker's Python best "
+                      f"{min(took[False]):.3f}, median {statistics.median(took[False]):.3f}; image / worker: best "
+                      f"{min(took[True]) / min(took[False]):.3f}, median "
+                      f"{statistics.median(took[True]) / statistics.median(took[False]):.3f}")
 
 if __name__ == "__main__":
     main()
