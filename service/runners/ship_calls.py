@@ -21,22 +21,17 @@ from service.logs import service as logs
 from service.metrics import service as metrics
 from service.runners import protocol, streams
 from service.runners.attempt_calls import AttemptRef
+from service.runners.points import Name, Point, Points, Step, Value, store_points
 from service.runners.protocol import Context
-from trainjobs.runenv import METRIC_NAME_MAX, STEP_MAX
+from trainjobs.runenv import STEP_MAX
 
 LOG_TEXT_MAX = 3 * 2**20  # characters of output a batch carries (the worker sends at most 1 MiB of its head + tail)
-POINTS_MAX = 100_000  # metric points a batch carries (the worker's per-ship bound, TRAINJOBS_METRIC_MAX_POINTS_PER_S)
 SAMPLES_MAX = 10_000  # usage samples a batch carries
 WARNINGS_MAX = 256
 STACK_RANKS_MAX, STACK_TEXT_MAX = 1024, 65536  # ranks of one node; characters of one rank's stack (worker/stacks.py)
 NOTE_MAX, EVENT_DETAIL_MAX = 4000, 2000
 
-Step = Annotated[int, Field(ge=0, lt=STEP_MAX)]
 Seq = Annotated[int, Field(ge=1, le=2**31 - 1)]
-Name = Annotated[str, Field(min_length=1, max_length=METRIC_NAME_MAX)]
-Value = Annotated[float, Field(allow_inf_nan=False)]
-UnixTime = Annotated[float, Field(ge=0, le=2**35)]
-Point = tuple[Step, Name, Value, UnixTime]  # (step, name, value, unix time): one metric point
 
 
 class LogPart(BaseModel):
@@ -87,7 +82,8 @@ class ShipBody(AttemptRef):
 
     seq: Seq
     log: LogPart | None = None
-    points: list[Point] = Field([], max_length=POINTS_MAX)
+    points: Points = Field([], description="rows [[step, name, value, unix time], ...] or packed columns "
+                           "(service/runners/points.py)")
     warnings: list[ShipWarning] = Field([], max_length=WARNINGS_MAX)
     stacks: Stacks | None = None
     samples: list[Point] = Field([], max_length=SAMPLES_MAX)
@@ -178,7 +174,7 @@ def apply_ship(db: Session, body: ShipBody, held: lifecycle.Held) -> None:
         logs.append(db, job_id=job_id, attempt=attempt, node_rank=node_rank, start=body.log.start, seq=body.log.seq,
                     text=body.log.text)
     if body.points:
-        metrics.insert_shipped(db, job_id=job_id, attempt=attempt, node_rank=node_rank, points=body.points)
+        store_points(db, job_id=job_id, attempt=attempt, node_rank=node_rank, points=body.points)
     for warning in body.warnings:
         records.add_warning(db, job_id=job_id, warning=warning.model_dump())
     if body.stacks is not None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from service.runners.points import PointColumns
 from trainjobs.spec import JobSpec
 from worker.control import Control, Refused, Revoked, Unreachable
 from worker.lease import Lease
@@ -198,7 +199,7 @@ class Shipper:
             if shipping[0] != self._shipped[0]:
                 body["progress"] = shipping[0]
         if metrics:
-            body["points"] = self.metrics.part()
+            body["points"] = PointColumns.of(self.metrics.part()).model_dump()
         return Batch(body, logs=logs, metrics=metrics, shipping=shipping, note=note)
 
     def _send(self, batch: Batch) -> None:
