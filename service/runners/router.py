@@ -175,7 +175,7 @@ def heartbeat(body: BeatBody, runner: RunnerDep, db: SessionDep) -> BeatPublic:
     with db:
         own_registered(db, runner, body.worker_id)
         found = workers.beat(db, worker_id=body.worker_id, draining=body.draining, pressure=body.pressure,
-                             devices=body.devices)
+                             devices=body.devices, images=body.images)
         db.commit()
     return BeatPublic(registered=found)
 

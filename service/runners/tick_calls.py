@@ -16,7 +16,7 @@ one attempt's bad batch never keeps another's from being stored. One commit.
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import DataError, IntegrityError
@@ -35,6 +35,8 @@ WORKER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,255}$"
 LEASES_MAX = 4096  # attempt nodes one worker may run (its slots' bound)
 BATCHES_MAX = 1024  # batches (ships, events) of one tick; the worker sends the rest in the next
 REFUSED_MAX = 500  # characters of a refusal's reason
+IMAGES_MAX = 1024  # images a worker reports having (worker/images.py CACHED_MAX)
+Image = Annotated[str, Field(min_length=1, max_length=600)]  # a reference or a sha256 digest
 
 
 class BeatBody(BaseModel):
@@ -42,6 +44,8 @@ class BeatBody(BaseModel):
     draining: bool = False
     pressure: str | None = Field(None, max_length=512)
     devices: list[dict[str, Any]] | None = Field(None, max_length=4096)
+    images: list[Image] | None = Field(None, max_length=IMAGES_MAX, description="the images it has unpacked "
+                                       "(references, sha256 digests), when they changed: the pass prefers it for them")
 
 
 class BeatPublic(BaseModel):
@@ -102,7 +106,8 @@ def tick(db: Session, ctx: Context, body: TickBody) -> TickPublic:
     if body.heartbeat is not None:
         beat = body.heartbeat
         answer.heartbeat = BeatPublic(registered=workers.beat(db, worker_id=beat.worker_id, draining=beat.draining,
-                                                              pressure=beat.pressure, devices=beat.devices))
+                                                              pressure=beat.pressure, devices=beat.devices,
+                                                              images=beat.images))
     held = renewals.hold_many(db, [ref for ref in leases if ref in owners], jobs=jobs, lease_s=ctx.settings.lease_s)
     answer.leases = [LeasePublic(**item.model_dump(), held=public_held(held.get(ref)))
                      for item, ref in zip(body.leases, leases, strict=True)]

@@ -26,6 +26,9 @@ class Worker(Base):
     max_jobs: Mapped[int] = mapped_column(Integer, default=1, server_default=text("1"))
     # Its devices as placement sees them: [{index, uuid, memory_bytes, healthy, numa_node, cores, reason}].
     devices: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
+    # The container images it has unpacked (references and sha256 digests, worker/images.py `cached`): the pass
+    # prefers it for a job naming one (issue 44).
+    images: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
     # idle | busy | draining; "lost" is never stored: it is a last_seen older than the lease.
     state: Mapped[str] = mapped_column(String(16), default="idle")
     current_job: Mapped[str | None] = mapped_column(String(32))

@@ -33,12 +33,15 @@ def register(db: Session, *, worker_id: str, host: str, address: str, device: st
 
 
 def beat(db: Session, *, worker_id: str, draining: bool = False, pressure: str | None = None,
-         devices: list[dict] | None = None) -> bool:
+         devices: list[dict] | None = None, images: list[str] | None = None) -> bool:
     """Renew last_seen (and say so when draining, and why it takes no jobs: `pressure`, None once it takes them
-    again; its devices, when their health changed); False when the row is gone (pruned): register again."""
+    again; its devices, when their health changed; the images it has unpacked, when they changed); False when the
+    row is gone (pruned): register again."""
     values: dict = {"last_seen": utcnow(), "pressure": pressure[:512] if pressure else None}
     if devices is not None:
         values["devices"] = devices
+    if images is not None:
+        values["images"] = images
     if draining:
         values["state"] = "draining"
     if db.execute(update(Worker).where(Worker.id == worker_id).values(**values)).rowcount != 1:
