@@ -481,3 +481,24 @@ def test_with_max_reservations_each_gang_reserves_its_own_workers_oldest_first()
     # By default only the oldest reserves.
     default = plan(Snapshot(snap.now, snap.waiting, snap.running, snap.nodes))
     assert [r.job_id for r in default.reservations] == ["old"]
+
+
+# -- a job's container image (issue 44) ------------------------------------------------------------------------
+
+
+def test_a_job_naming_an_image_goes_to_a_worker_that_has_it_and_never_waits_for_one():
+    image = "registry.example.com/team/train:2025-11"
+    pinned = "registry.example.com/team/train@sha256:" + "ab" * 32
+
+    def in_image(job_id: str, ref: str | None) -> Waiting:
+        job = waiting(job_id, submitted=float(len(job_id)))
+        return Waiting(**{**job.__dict__, "need": Need("cuda", 1, None, None, image=ref)})
+
+    # w-a fits best (fewest slots left after); w-c has the image by tag, w-d by the digest it resolved to
+    nodes = [node("w-a", 1), Node("w-b", "cuda", 2), Node("w-c", "cuda", 2, images=frozenset({image})),
+             Node("w-d", "cuda", 4, images=frozenset({"sha256:" + "ab" * 32}))]
+    result = plan(snapshot([in_image("j-image", image), in_image("j-pinned", pinned), in_image("j-plain", None)],
+                           nodes=nodes))
+    assert started(result) == {"j-image": ["w-c"], "j-pinned": ["w-d"], "j-plain": ["w-a"]}
+    nobody = plan(snapshot([in_image("j-image", image)], nodes=[node("w-a", 1), Node("w-b", "cuda", 2)]))
+    assert started(nobody) == {"j-image": ["w-a"]}  # no worker has it: best fit, at once

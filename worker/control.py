@@ -55,7 +55,8 @@ class Refused(Exception):
 class Control(Protocol):
     def call(self, name: str, body: dict) -> dict | None: ...
     def register(self, inventory: dict) -> None: ...
-    def beat(self, *, worker_id: str, draining: bool, pressure: str | None, devices: list[dict] | None) -> bool: ...
+    def beat(self, *, worker_id: str, draining: bool, pressure: str | None, devices: list[dict] | None,
+             images: list[str] | None = None) -> bool: ...
     def remove(self, worker_id: str) -> None: ...
 
 
@@ -102,9 +103,11 @@ class DatabaseControl:
             workers.register(db, **inventory)
             db.commit()
 
-    def beat(self, *, worker_id: str, draining: bool, pressure: str | None, devices: list[dict] | None) -> bool:
+    def beat(self, *, worker_id: str, draining: bool, pressure: str | None, devices: list[dict] | None,
+             images: list[str] | None = None) -> bool:
         with self.sessions() as db:
-            found = workers.beat(db, worker_id=worker_id, draining=draining, pressure=pressure, devices=devices)
+            found = workers.beat(db, worker_id=worker_id, draining=draining, pressure=pressure, devices=devices,
+                                 images=images)
             db.commit()
         return found
 
@@ -145,8 +148,10 @@ class ApiControl:
     def register(self, inventory: dict) -> None:
         self._post("/v1/worker/register", inventory)
 
-    def beat(self, *, worker_id: str, draining: bool, pressure: str | None, devices: list[dict] | None) -> bool:
-        body = {"worker_id": worker_id, "draining": draining, "pressure": pressure, "devices": devices}
+    def beat(self, *, worker_id: str, draining: bool, pressure: str | None, devices: list[dict] | None,
+             images: list[str] | None = None) -> bool:
+        body = {"worker_id": worker_id, "draining": draining, "pressure": pressure, "devices": devices,
+                "images": images}
         return self._post("/v1/worker/heartbeat", body).json()["registered"]
 
     def close(self) -> None:

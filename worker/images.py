@@ -52,6 +52,7 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TOOLS = ("skopeo", "umoci")
 LOOPBACK_NAMES = ("localhost",)
 SKOPEO_FATAL = re.compile(r'level=fatal msg="(.*)"$')
+CACHED_MAX = 1024  # images a worker reports having (its heartbeat's bound)
 PROGRESS_POLL_S = 0.5  # how often a pull's bytes are counted (the job hears of them every SAY_EVERY_S)
 ARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}.get(platform.machine(),
                                                                                            platform.machine())
@@ -186,6 +187,7 @@ class ImageCache:
             if not (final / "rootfs").is_dir():
                 pulled_s = pull(final)
             (self.root / f"{name}.used").touch()
+            _remember(self.root / f"{name}.refs", reference)
         except BaseException:
             os.close(fd)
             raise
@@ -360,9 +362,42 @@ class ImageCache:
             except OSError:
                 return False
             shutil.rmtree(doomed, ignore_errors=True)
+            (self.root / f"{name}.refs").unlink(missing_ok=True)
             return True
         finally:
             os.close(fd)
+
+
+def cached(settings: Settings) -> list[str]:
+    """The images this worker has unpacked, as the scheduler's pass matches them to a job's `image` (issue 44):
+    each one's sha256 digest and the references it was pulled by."""
+    root, found = settings.data_dir / "image-cache", set()
+    try:
+        entries = list(root.iterdir())
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        if len(entry.name) == 64 and (entry / "rootfs").is_dir():
+            found.add(f"sha256:{entry.name}")
+            try:
+                found.update(line for line in (root / f"{entry.name}.refs").read_text().splitlines() if line)
+            except OSError:
+                pass
+    return sorted(found)[:CACHED_MAX]
+
+
+def _remember(path: Path, reference: str) -> None:
+    """`reference` among those an entry was pulled by (lanes append at once: whole lines, O_APPEND)."""
+    try:
+        if reference in path.read_text().splitlines():
+            return
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, f"{reference}\n".encode())
+    finally:
+        os.close(fd)
 
 
 def image_config(layout: Path) -> dict:

@@ -213,10 +213,12 @@ def inventory_of(offer: Offer) -> dict:
 
 def start_heartbeat(control: Control | sessionmaker[Session], *, offer: Offer, every_s: float,
                     draining: Callable[[], bool], pressure: Callable[[], str | None] = lambda: None,
-                    on_revoked: Callable[[str], None] | None = None) -> Callable[[], None]:
+                    on_revoked: Callable[[str], None] | None = None,
+                    images: Callable[[], list[str]] = list) -> Callable[[], None]:
     """Register now, renew last_seen every every_s from a daemon thread; returns the stop function (deregisters).
     `control`: the database (a sessionmaker) or the API (worker/control.py); a credential the API refuses calls
-    on_revoked (the worker then hands its jobs back and stops).
+    on_revoked (the worker then hands its jobs back and stops). `images`: the images it has unpacked, sent when
+    they changed (the scheduler's pass prefers this worker for a job naming one).
 
     On GPUs each beat (at most every devices.HEALTH_EVERY_S) re-reads their health, and stores their rows when it
     changed: /v1/workers then shows the GPU `unhealthy`, with why, and placement leaves it out."""
@@ -227,17 +229,22 @@ def start_heartbeat(control: Control | sessionmaker[Session], *, offer: Offer, e
     stopped = threading.Event()
     health = GpuHealth(offer.machine)
 
+    sent_images: list[str] | None = None
+
     def loop() -> None:
-        nonlocal offer
+        nonlocal offer, sent_images
         while not stopped.wait(every_s):
             try:
                 if (machine := health.changed()) is not None:
                     offer = dataclasses.replace(offer, machine=machine)
                     health.pending = devices.as_rows(machine)
-                found = control.beat(worker_id=name, draining=draining(), pressure=pressure(), devices=health.pending)
-                health.pending = None
-                if not found:  # pruned while we were cut off: come back
+                now_images = images()
+                found = control.beat(worker_id=name, draining=draining(), pressure=pressure(), devices=health.pending,
+                                     images=None if now_images == sent_images else now_images)
+                health.pending, sent_images = None, now_images
+                if not found:  # pruned while we were cut off: come back (and say again what it has)
                     control.register(inventory_of(offer))
+                    sent_images = None
             except Revoked as exc:
                 log.error("worker %s: the API refused this machine's credential (%s): handing its jobs back and "
                           "stopping", name, exc)

@@ -26,7 +26,7 @@ from service.settings import get_settings
 from service.storage import check_store
 from service.undumpable import make_undumpable
 from trainjobs.runenv import PREEMPT_SIGNAL
-from worker import control, processes, sandbox
+from worker import control, images, processes, sandbox
 from worker.agent import request_preemption
 from worker.dispatch import FittingQueue, Taker
 from worker.inventory import DiskWatch, probe, start_heartbeat
@@ -216,7 +216,8 @@ def main(burst: bool = False, *, slots: int | None = None, device: str | None = 
     if relay is not None:
         relay.start()
     stop_heartbeat = start_heartbeat(relay or sessions, offer=offer, every_s=settings.heartbeat_s, draining=draining,
-                                     pressure=disk.pressure, on_revoked=revoked)
+                                     pressure=disk.pressure, on_revoked=revoked,
+                                     images=lambda: images.cached(settings))
     try:
         kick(redis, prefix=settings.queue_prefix)  # registered: the scheduler's next pass may assign it jobs now
     except RedisError:

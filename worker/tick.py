@@ -135,8 +135,10 @@ class Relay:
     def register(self, inventory: dict) -> None:
         self.control.register(inventory)
 
-    def beat(self, *, worker_id: str, draining: bool, pressure: str | None, devices: list[dict] | None) -> bool:
-        body = {"worker_id": worker_id, "draining": draining, "pressure": pressure, "devices": devices}
+    def beat(self, *, worker_id: str, draining: bool, pressure: str | None, devices: list[dict] | None,
+             images: list[str] | None = None) -> bool:
+        body = {"worker_id": worker_id, "draining": draining, "pressure": pressure, "devices": devices,
+                "images": images}
         return self.call("heartbeat", body)["registered"]
 
     def remove(self, worker_id: str) -> None:

@@ -36,7 +36,7 @@ def live_nodes(db: Session, *, lost_after_s: float) -> tuple[list[Node], set[str
     since = utcnow() - timedelta(seconds=lost_after_s)
     found = db.execute(select(Worker.id, Worker.device, Worker.slots, Worker.memory_bytes, Worker.labels,
                               Worker.max_jobs, Worker.current_job, Worker.state, Worker.pressure,
-                              cast(Worker.devices, Text).label("devices"))
+                              cast(Worker.devices, Text).label("devices"), Worker.images)
                        .where(Worker.last_seen >= since).order_by(Worker.id)).all()
     # A draining worker takes no more jobs, nor does one under pressure (its disk full) until it recovers.
     live = [w for w in found if w.state != "draining" and not w.pressure]
@@ -56,7 +56,7 @@ def live_nodes(db: Session, *, lost_after_s: float) -> tuple[list[Node], set[str
             if fields is None:
                 fields = _fields[key] = scheduling.devices_of(w.id, w.device, rows, held)
         nodes.append(Node(id=w.id, device=w.device, slots=w.slots, memory_bytes=w.memory_bytes,
-                          labels=dict(w.labels or {}), running=w.current_job,
+                          labels=dict(w.labels or {}), running=w.current_job, images=frozenset(w.images or ()),
                           room=scheduling.room_of(w.slots, w.max_jobs, load, rows), **(fields or {})))
     # Of every worker's holds, a lost or draining one's too: the job is being claimed all the same.
     return nodes, {job for held in devices_held.values() for job, _ in held.values()}

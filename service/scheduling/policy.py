@@ -31,11 +31,13 @@ function on a simulated month. The rules, in order:
    share first, then the lowest priority, then the least work lost; among machines, the one that frees the
    fewest devices beyond the need (preemption.py).
 
-Assignments are best-fit (the fitting worker left with the fewest free slots, then pool.nvlink_preference, then
-the smallest, then by id), so a small job does not take the big worker or the NVLink machine a big job needs. A
-one-node job that fills an NVLink island (8 GPUs where the largest island is 8) takes only workers with one
-while a live one fits it, and waits for them (pool.island_floor, TRAINJOBS_NVLINK_WHOLE_JOBS): its preemptions
-and estimate too, as they see the workers that fit through the same `fitting`. A worker is only offered the
+Assignments are best-fit (for a job naming a container image, a worker that has it unpacked first: a soft
+preference, never a wait, issue 44; then the fitting worker left with the fewest free slots, then
+pool.nvlink_preference, then the smallest, then by id), so a small job does not take the big worker or the NVLink
+machine a big job needs. A one-node job that fills an NVLink island (8 GPUs where the largest island is 8) takes
+only workers with one while a live one fits it, and waits for them (pool.island_floor,
+TRAINJOBS_NVLINK_WHOLE_JOBS): its preemptions and estimate too, as they see the workers that fit through the same
+`fitting`. A worker is only offered the
 jobs assigned to it: every worker that polls computes the same plan from the same rows, and the claim's
 compare-and-set decides races.
 """

@@ -69,6 +69,7 @@ class Node:
     machine: Machine | None = None  # its devices and their links (placement.py)
     free_devices: frozenset[int] | None = None  # healthy and held by no job
     held: Mapping[str, frozenset[int]] = field(default_factory=dict)  # job -> the devices it holds here
+    images: frozenset[str] = frozenset()  # the images it has unpacked: references and sha256 digests (issue 44)
 
     @property
     def free_slots(self) -> int:

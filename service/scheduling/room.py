@@ -44,7 +44,7 @@ class Fitting:
         if known is not None and known[0] is need:
             return known[1]
         key = (need.device, need.slots, need.memory_bytes, need.memory_device, tuple(sorted(need.labels.items())),
-               need.pip, need.entrypoint, need.nodes)
+               need.pip, need.entrypoint, need.nodes, need.image)
         self.keys[id(need)] = (need, key)
         return key
 
@@ -154,6 +154,8 @@ class View:
 
     def __init__(self, room: Room, need: fit.Need, fits: list[Node], ids: frozenset[str]) -> None:
         self.room, self.slots, self.nodes = room, need.slots, need.nodes
+        self.image = need.image
+        self.digest = need.image.partition("@")[2] or None if need.image else None  # a pinned image's sha256
         self.fits, self.ids = fits, ids
         self.changes = 0  # how many times one of its workers changed: a cached reason is good while unchanged
         self.reason: tuple[int, str] | None = None  # (changes, why) of the last reason without a reservation
@@ -175,10 +177,16 @@ class View:
             self._busy += room.busy(w) - was_busy
 
     def _fit_key(self, w: str) -> tuple:
-        # Best fit: the fewest free slots left (whole machines stay free for big jobs), then NVLink (pool.py).
+        # A worker that has the job's image unpacked first (a pull of GBs costs more than a worse fit; issue 44),
+        # then best fit: the fewest free slots left (whole machines stay free for big jobs), then NVLink (pool.py).
         node = self.room.nodes[w]
-        return (self.room.free[w] - self.slots, nvlink_preference(self.slots, node.nvlink_island), node.slots, w,
-                self.room.version[w])
+        return ((self.lacks(node), self.room.free[w] - self.slots), nvlink_preference(self.slots, node.nvlink_island),
+                node.slots, w, self.room.version[w])
+
+    def lacks(self, node: Node) -> bool:
+        """Whether the job's image (if it names one) would have to be pulled there."""
+        return self.image is not None and not (self.image in node.images or
+                                               (self.digest is not None and self.digest in node.images))
 
     def best(self, job: Waiting, reserved: Mapping[str, Reservation], let: bool, now: float) -> list[str] | None:
         """The job's workers, best fit first: of those with its slots open, and of the reserved ones whose
@@ -186,8 +194,8 @@ class View:
         room = self.room
         if self._best is None:
             free, version, slots = room.free, room.version, self.slots
-            self._best = [(free[n.id] - slots, nvlink_preference(slots, n.nvlink_island), n.slots, n.id,
-                           version[n.id]) for n in self.fits if room.open[n.id] >= slots]
+            self._best = [((self.lacks(n), free[n.id] - slots), nvlink_preference(slots, n.nvlink_island), n.slots,
+                           n.id, version[n.id]) for n in self.fits if room.open[n.id] >= slots]
             heapify(self._best)
         heap, picked = self._best, []
         while heap and len(picked) < self.nodes:

@@ -39,6 +39,7 @@ class Need:
     nodes: int = 1
     pip: bool = False  # it asks for entrypoint.requirements
     entrypoint: bool = False  # it runs the user's own code
+    image: str | None = None  # its container image: a worker that has it unpacked is preferred (issue 44)
 
 
 def need_of(spec: JobSpec, plan: dict[str, Any] | None) -> Need:
@@ -51,7 +52,7 @@ def need_of(spec: JobSpec, plan: dict[str, Any] | None) -> Need:
     return Need(device=res.device, slots=res.nproc_per_node, memory_bytes=estimate, memory_device=memory_device,
                 labels=dict(res.selector), nodes=res.nnodes,
                 pip=bool(spec.entrypoint is not None and spec.entrypoint.requirements),
-                entrypoint=spec.entrypoint is not None)
+                entrypoint=spec.entrypoint is not None, image=spec.image)
 
 
 def misfit(need: Need, worker: Offer) -> str | None:
