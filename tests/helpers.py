@@ -47,7 +47,7 @@ def count_jobs(url: str) -> int:
 
 @contextmanager
 def live_stack(postgres_url: str, data_dir: Path, *, name: str, workers: int = 1, join: bool | None = None,
-               api_workers: int = 1, **overrides):
+               api_workers: int = 1, registry: str | None = None, **overrides):
     """A real API and real workers on PostgreSQL and the test Redis, with quick supervision settings; `join`:
     whether its workers join the API with no database URL (None: as `trainjobs up` does)."""
     from service.cli.stack import JOIN, Stack
@@ -61,7 +61,7 @@ def live_stack(postgres_url: str, data_dir: Path, *, name: str, workers: int = 1
                            "queue_prefix": f"{QUEUE_PREFIX}{name}", "cancel_grace_s": 3, "poll_s": 0.2,
                            "worker_max_jobs": 1, **overrides})
     with Stack(settings, port=free_port(), workers=workers, join=JOIN if join is None else join,
-               api_workers=api_workers) as stack:
+               api_workers=api_workers, registry=registry) as stack:
         yield stack
 
 

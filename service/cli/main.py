@@ -173,15 +173,21 @@ def cmd_db(args, settings: Settings) -> int:
 
 
 def cmd_up(args, settings: Settings) -> int:
+    from service.cli import local_registry
     from service.cli.stack import Stack, run_forever
     from service.undumpable import make_undumpable
 
     make_undumpable()  # the ranks descend from this process: they must not read the new admin token from it
     if args.allow_entrypoints:
         settings = settings.model_copy(update={"allow_entrypoints": True})
-    stack = Stack(settings, host=args.host, port=args.port, workers=args.workers, api_workers=args.api_workers)
+    stack = Stack(settings, host=args.host, port=args.port, workers=args.workers, api_workers=args.api_workers,
+                  registry=args.registry)
     try:
         stack.start()
+    except local_registry.RegistryUnavailable as exc:
+        stack.stop()
+        console.print(f"trainjobs up: {exc}", soft_wrap=True)
+        return 2
     except BaseException:
         stack.stop()  # never leave a half-started stack behind (say, the port was taken)
         raise
@@ -190,6 +196,8 @@ def cmd_up(args, settings: Settings) -> int:
     console.print("users' own code (trainjobs run, entrypoint specs): " + (
         "allowed, in the sandbox" if settings.allow_entrypoints else
         "off; start with `trainjobs up --allow-entrypoints` to allow it"), soft_wrap=True)
+    if args.registry:
+        console.print(local_registry.push_hint(args.registry), soft_wrap=True)
     if stack.new_admin_token:
         console.print(f"admin token (saved to {settings.admin_token_file}, mode 0600; the CLI reads it "
                       f"there):\n{stack.new_admin_token}", soft_wrap=True)
@@ -274,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "TRAINJOBS_ALLOW_ENTRYPOINTS=1")
     up.add_argument("--api-workers", type=int, default=1, choices=range(1, 65), metavar="N",
                     help="API processes (default 1)")
+    up.add_argument("--registry", nargs="?", const="127.0.0.1:5000", metavar="HOST:PORT",
+                    help="also serve an image registry on loopback for jobs' own images (default 127.0.0.1:5000)")
     up.set_defaults(local=cmd_up)
     api = sub.add_parser("api", help="the HTTP API")
     api.add_argument("--host", default="127.0.0.1")

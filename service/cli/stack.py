@@ -19,6 +19,7 @@ from redis.exceptions import AuthenticationError
 
 from service import migrate
 from service.auth import tokens
+from service.cli import local_registry
 from service.db import make_engine, make_private_dir, make_sessionmaker, utcnow
 from service.redis_auth import needs_no_password, with_password
 from service.runners import credentials
@@ -76,8 +77,9 @@ class Stack:
     """Processes started together and stopped together (Ctrl-C or SIGTERM stops every one)."""
 
     def __init__(self, settings: Settings, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1,
-                 quiet: bool = False, api_workers: int = 1, join: bool = JOIN):
+                 quiet: bool = False, api_workers: int = 1, join: bool = JOIN, registry: str | None = None):
         self.settings, self.host, self.port, self.workers = settings, host, port, workers
+        self.registry = registry  # host:port of an image registry it serves (service/cli/local_registry.py)
         self.api_workers = api_workers
         # Issue 42: its workers join the API over loopback with a join token made at start, as a GPU machine joins
         # a pool, and hold no database URL (False: they write the database themselves, as before).
@@ -112,6 +114,8 @@ class Stack:
 
     def start(self) -> None:
         check_port(self.host, self.port)  # before anything starts (Redis, a first admin token, the banner)
+        if self.registry is not None:
+            local_registry.check(self.registry)
         make_private_dir(self.settings.data_dir)  # 0700 where new
         self._bring_up_redis()
         migrate.upgrade(self.settings.resolved_database_url)
@@ -120,6 +124,10 @@ class Stack:
             self.token = self._admin_token()
         if self.join:
             self.join_token = self._make_join_token()
+        if self.registry is not None:
+            self._spawn("registry", local_registry.command(local_registry.config(self.settings.data_dir,
+                                                                                  self.registry)))
+            local_registry.wait_ready(self.registry, self.check_alive)
         python = sys.executable
         self._spawn("api", [python, "-m", "uvicorn", "service.api.asgi:app", "--host", self.host,
                             "--port", str(self.port), "--log-level", "warning", "--workers", str(self.api_workers),
@@ -158,10 +166,12 @@ class Stack:
     def worker_env(self) -> dict[str, str]:
         """What a worker of this stack is given on top of env(): where to join, and no database URL (it reaches
         the database only through the API)."""
+        served = {} if self.registry is None else {"TRAINJOBS_IMAGE_INSECURE_REGISTRIES": local_registry.insecure_with(
+            self.settings.image_insecure_registries, self.registry)}
         if not self.join:
-            return {"TRAINJOBS_WORKER_DATABASE": "1"}
+            return {"TRAINJOBS_WORKER_DATABASE": "1", **served}
         return {"TRAINJOBS_WORKER_API": self.api_url, "TRAINJOBS_JOIN_TOKEN_FILE": str(self.join_token or ""),
-                "TRAINJOBS_DATABASE_URL": ""}
+                "TRAINJOBS_DATABASE_URL": "", **served}
 
     def add_workers(self, n: int, args: list[str] | None = None, env: dict[str, str] | None = None
                     ) -> list[subprocess.Popen]:
@@ -290,7 +300,7 @@ class Stack:
 
     def stop(self) -> None:
         """Workers first (the first signal hands a running job back, the second stops it at once), then the rest."""
-        for names, sig_count in ((("worker",), 2), (("api",), 1), (("redis",), 1)):
+        for names, sig_count in ((("worker",), 2), (("api",), 1), (("redis", "registry"), 1)):
             group = [p for n, p in self.procs if n.startswith(names) and p.poll() is None]
             for attempt in range(sig_count):
                 for proc in group:
