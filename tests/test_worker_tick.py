@@ -9,12 +9,16 @@ import time
 from datetime import datetime
 
 import pytest
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, event, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.jobs import lifecycle
 from service.jobs.models import Attempt, JobEvent
+from service.logs.models import LogChunk
+from service.metrics.models import Metric, MetricBlock
 from service.runners import protocol
+from service.runners.points import PointColumns
+from service.runners.streams import AttemptStream
 from service.runners.tick_calls import TickBody, tick
 from tests.conftest import mlp_spec
 from tests.test_worker_join import INVENTORY, as_worker, join, join_token
@@ -132,6 +136,75 @@ def test_a_batch_the_database_refuses_is_refused_alone_and_the_others_are_stored
     assert all(lease.held is not None for lease in answer.leases)
     again = running["control"].call("tick", {"ships": [batch(refs[1], 2, text="more\n", steps=range(3, 4), start=5)]})
     assert again["ships"] == [{"applied": True, "lost": False, "refused": None}]
+
+
+def claimed(client, engine) -> dict:
+    """One more job claimed by the fixture's worker."""
+    job_id = client.post("/v1/jobs", json=mlp_spec()).json()["id"]
+    with Session(engine) as db:
+        number, _ = lifecycle.claim(db, job_id=job_id, worker=WORKER, lease_s=60)
+        db.commit()
+    return {"job_id": job_id, "attempt": number, "node_rank": 0}
+
+
+def stored(engine, job_id: str) -> dict:
+    """Everything a job's batches wrote, as rows without their job (nor the ids the database gave them)."""
+    with Session(engine) as db:
+        return {
+            "log": db.execute(select(LogChunk.attempt, LogChunk.node_rank, LogChunk.seq, LogChunk.start,
+                                     LogChunk.length, LogChunk.text).where(LogChunk.job_id == job_id)
+                              .order_by(LogChunk.id)).all(),
+            "points": db.execute(select(Metric.attempt, Metric.node_rank, Metric.step, Metric.name, Metric.value,
+                                        Metric.time).where(Metric.job_id == job_id).order_by(Metric.id)).all(),
+            "blocks": [{f: getattr(b, f) for f in ("node_rank", "name", "block", "points", "last_step",
+                                                   "last_value", "min_step", "min_value", "max_step", "max_value")}
+                       for b in db.scalars(select(MetricBlock).where(MetricBlock.job_id == job_id)
+                                           .order_by(MetricBlock.name, MetricBlock.block))],
+            "progress": db.execute(text("SELECT CAST(progress AS text) FROM jobs WHERE id = :id"),
+                                   {"id": job_id}).scalar(),
+            "seq": db.execute(select(AttemptStream.attempt, AttemptStream.node_rank, AttemptStream.stream,
+                                     AttemptStream.seq).where(AttemptStream.job_id == job_id)).all(),
+        }
+
+
+def rounds(ref: dict, n: int, at: float) -> list[dict]:
+    """Two batches of the n-th job: points as rows then as columns, the second repeating a step of the first (a
+    resumed attempt: its block recomputed), progress in each."""
+    first = {**ref, "seq": 1, "log": {"start": 0, "seq": 1, "text": f"job {n} a\n"},
+             "points": [[s, "loss", 1.0 / s, at] for s in range(1, 4 + n)],
+             "progress": {"step": 3 + n, "total_steps": 300, "eta_s": None}}
+    rows = [(s, name, (s * 7 + n) % 5 / 3, at + s) for s in range(3 + n, 300) for name in ("loss", f"lr{n}")]
+    second = {**ref, "seq": 2, "log": {"start": len(f"job {n} a\n"), "seq": 2, "text": f"job {n} b ☃\n"},
+              "points": PointColumns.of(rows).model_dump(mode="json"),
+              "progress": {"step": 299, "total_steps": 300, "eta_s": 1.5, "performance": {"tok_s": 10.0 + n}}}
+    return [first, second]
+
+
+def test_a_tick_of_several_attempts_batches_stores_what_their_ships_store_and_once(client, running, settings):
+    """The tick writes its batches together (one statement a part, service/runners/tick_calls.py): the rows are
+    those the same batches store shipped one by one; sent again, it applies nothing."""
+    engine, ticked = running["engine"], running["refs"]
+    shipped = [claimed(client, engine) for _ in ticked]
+    statements: list[str] = []
+    event.listen(engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    at = time.time()
+    for number in range(2):
+        for n, ref in enumerate(shipped):
+            one = client.post("/v1/worker/ship", json=rounds(ref, n, at)[number], headers=running["mine"])
+            assert one.json() == {"applied": True, "lost": False}
+        body = TickBody.model_validate({"ships": [rounds(ref, n, at)[number] for n, ref in enumerate(ticked)]})
+        for sent in range(2):  # the second time: its answer was lost
+            statements.clear()
+            with Session(engine) as db:
+                answer = tick(db, protocol.Context(protocol.TRUSTED, settings, None), body)
+            assert [(a.applied, a.lost, a.refused) for a in answer.ships] == [(sent == 0, False, None)] * len(ticked)
+            logged = [s for s in statements if s.lstrip().upper().startswith("INSERT INTO LOG_CHUNKS")]
+            assert len(logged) == (sent == 0)  # the batches' chunks in one statement, and none sent again
+    for mine, theirs in zip(ticked, shipped, strict=True):
+        got, want = stored(engine, mine["job_id"]), stored(engine, theirs["job_id"])
+        assert got == want
+        assert len(got["points"]) > 500 and len(got["log"]) == 2 and got["seq"] == [(1, 0, "ship", 2)]
+    assert stored(engine, ticked[0]["job_id"])["progress"] != stored(engine, ticked[1]["job_id"])["progress"]
 
 
 @pytest.fixture

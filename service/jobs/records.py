@@ -8,7 +8,7 @@ of one attempt, fenced by the attempt where it matters. The worker calls them in
 import json
 from datetime import datetime
 
-from sqlalchemy import func, literal, select, update
+from sqlalchemy import func, literal, select, text, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
@@ -77,6 +77,28 @@ def record_progress(db: Session, *, job_id: str, attempt: int, progress: dict) -
         changed = func.json(Job.progress).is_distinct_from(func.json(json.dumps(progress)))
     return db.execute(update(Job).where(Job.id == job_id, Job.attempt == attempt, changed)
                       .values(progress=progress)).rowcount == 1
+
+
+# record_progress of several jobs in one statement (PostgreSQL): each row written only where its progress differs.
+PG_PROGRESS_MANY = text("""UPDATE jobs SET progress = CAST(v.progress AS json)
+FROM unnest(CAST(:job_ids AS text[]), CAST(:attempts AS int[]), CAST(:progress AS text[]))
+AS v(job_id, attempt, progress)
+WHERE jobs.id = v.job_id AND jobs.attempt = v.attempt
+AND CAST(jobs.progress AS jsonb) IS DISTINCT FROM CAST(v.progress AS jsonb)""")
+
+
+def record_progress_many(db: Session, progress: list[tuple[str, int, dict]]) -> None:
+    """record_progress of several (job_id, attempt, progress), in their order (a job's last one is what it keeps):
+    on PostgreSQL one UPDATE, written as record_progress writes it (the same json.dumps text) and only where it
+    differs."""
+    if db.get_bind().dialect.name != "postgresql":
+        for job_id, attempt, value in progress:
+            record_progress(db, job_id=job_id, attempt=attempt, progress=value)
+        return
+    last = {(job_id, attempt): value for job_id, attempt, value in progress}  # one row a job, as in turn
+    if last:
+        db.execute(PG_PROGRESS_MANY, {"job_ids": [job_id for job_id, _ in last], "attempts": [a for _, a in last],
+                                      "progress": [json.dumps(value) for value in last.values()]})
 
 
 def record_resume(db: Session, *, job_id: str, attempt: int, node_rank: int, step: int) -> None:

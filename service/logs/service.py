@@ -1,7 +1,7 @@
 """Append and read a job's log: one byte-addressed stream per node rank across attempts (node 0: the whole log
 of a single-node job)."""
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
 from service.logs.models import LogChunk
@@ -23,6 +23,13 @@ def append(db: Session, *, job_id: str, attempt: int, start: int, seq: int, text
     db.add(LogChunk(job_id=job_id, attempt=attempt, node_rank=node_rank, seq=seq, start=start,
                     length=length, text=text))
     return length
+
+
+def append_many(db: Session, chunks: list[dict]) -> None:
+    """Store several chunks in one INSERT, in their order (a worker's tick: one chunk of each node that shipped);
+    each chunk holds append's arguments, the rows those appends would store."""
+    if chunks:
+        db.execute(insert(LogChunk).values([{**chunk, "length": len(chunk["text"].encode())} for chunk in chunks]))
 
 
 def read(db: Session, *, job_id: str, offset: int = 0, node_rank: int = 0, rank: int | None = None,

@@ -11,7 +11,7 @@ import operator
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import groupby, repeat
+from itertools import chain, groupby, repeat
 
 from sqlalchemy import Row, case, func, or_, select, text, tuple_
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -87,18 +87,60 @@ def record_columns(db: Session, *, job_id: str, node_rank: int, steps: Sequence[
     """
     if not len(steps):
         return
+    keys, values, batches = _blocks_of(steps, names, name_index, values)
+    existing = _read(db, job_id=job_id, node_rank=node_rank, keys=list(batches))
+    _write(db, _summaries(db, job_id=job_id, node_rank=node_rank, keys=keys, values=values, batches=batches,
+                          existing=existing))
+
+
+def record_many(db: Session, nodes: list[tuple[str, int, Sequence[int], Sequence[str], Sequence[int],
+                                               Sequence[float]]]) -> None:
+    """record_columns of several nodes' points (a worker's tick), each (job_id, node_rank, steps, names,
+    name_index, values) and each node once: on PostgreSQL one read and one upsert for all their blocks, the
+    summaries record_columns would write for each."""
+    nodes = [node for node in nodes if len(node[2])]
+    if db.get_bind().dialect.name != "postgresql":  # one machine's embedded database: node by node
+        for job_id, node_rank, steps, names, name_index, values in nodes:
+            record_columns(db, job_id=job_id, node_rank=node_rank, steps=steps, names=names, name_index=name_index,
+                           values=values)
+        return
+    if not nodes:
+        return
+    cut = [(job_id, node_rank, *_blocks_of(steps, names, name_index, values))
+           for job_id, node_rank, steps, names, name_index, values in nodes]
+    wanted = [(job_id, node_rank, name, block) for job_id, node_rank, _, _, batches in cut for name, block in batches]
+    rows = db.execute(PG_READ_MANY, {f"{f}s": [key[i] for key in wanted] for i, f in enumerate(KEY_FIELDS)})
+    existing: dict[tuple[str, int], dict] = {}
+    for row in rows:
+        existing.setdefault((row[0], row[1]), {})[(row[2], row[3])] = Summary(*row[4:])
+    summaries = list(chain.from_iterable(
+        _summaries(db, job_id=job_id, node_rank=node_rank, keys=keys, values=values, batches=batches,
+                   existing=existing.get((job_id, node_rank), {})) for job_id, node_rank, keys, values, batches in cut))
+    db.execute(PG_UPSERT_MANY, {f: [row[f] for row in summaries] for f in KEY_FIELDS + SUMMARY_FIELDS})
+
+
+def _blocks_of(steps: Sequence[int], names: Sequence[str], name_index: Sequence[int], values: Sequence[float]
+               ) -> tuple[list[int], list[float], dict[tuple[str, int], tuple[int, int]]]:
+    """The points keyed (name << 32 | step), deduplicated (the later point of a step wins) and sorted, their values,
+    and each (name, block)'s slice of them."""
     # key = name << 32 | step (a step is below 2^31), so key >> SHIFT is (name, block) and sorting puts each
     # block's steps together, in order.
     latest = dict(zip(map(operator.or_, map(operator.lshift, name_index, repeat(32)), steps), values, strict=True))
     keys = sorted(latest)
-    values = list(map(latest.__getitem__, keys))
+    ordered = list(map(latest.__getitem__, keys))
     batches, start = {}, 0
     while start < len(keys):
         group = keys[start] >> SHIFT
         end = bisect_left(keys, (group + 1) << SHIFT, start)
         batches[(names[group >> (32 - SHIFT)], group & BLOCK_MASK)] = (start, end)
         start = end
-    existing = _read(db, job_id=job_id, node_rank=node_rank, keys=list(batches))
+    return keys, ordered, batches
+
+
+def _summaries(db: Session, *, job_id: str, node_rank: int, keys: list[int], values: list[float],
+               batches: dict[tuple[str, int], tuple[int, int]], existing: dict[tuple[str, int], Summary]
+               ) -> list[dict]:
+    """The new summaries of one node's blocks: the stored ones merged with the points' (or recomputed)."""
     summaries = []
     for (name, block), (start, end) in batches.items():
         new = _summarize_slice(keys, values, start, end)
@@ -110,7 +152,7 @@ def record_columns(db: Session, *, job_id: str, node_rank: int, steps: Sequence[
         else:  # NOTE: steps seen before (a retry): their old values may be the block's min or max
             summary = summarize(block_points(db, job_id=job_id, node_rank=node_rank, name=name, block=block))
         summaries.append({"job_id": job_id, "node_rank": node_rank, "name": name, "block": block, **vars(summary)})
-    _write(db, summaries)
+    return summaries
 
 
 # On PostgreSQL a batch's blocks go as arrays through statements of one text each (a statement whose text varies with
@@ -123,6 +165,15 @@ PG_TYPES = {"points": "int", "last_step": "int", "last_value": "float8", "min_st
             "max_step": "int", "max_value": "float8"}
 PG_UPSERT = text(f"""INSERT INTO metric_blocks ({", ".join(KEY_FIELDS + SUMMARY_FIELDS)})
 SELECT :job_id, :node_rank, * FROM unnest(CAST(:name AS text[]), CAST(:block AS int[]),
+{", ".join(f"CAST(:{f} AS {PG_TYPES[f]}[])" for f in SUMMARY_FIELDS)})
+ON CONFLICT ({", ".join(KEY_FIELDS)}) DO UPDATE SET {", ".join(f"{f} = excluded.{f}" for f in SUMMARY_FIELDS)}""")
+# The same for several nodes' blocks at once (record_many): the keys' every field an array.
+PG_READ_MANY = text(f"""SELECT b.job_id, b.node_rank, b.name, b.block, {", ".join(f"b.{f}" for f in SUMMARY_FIELDS)}
+FROM metric_blocks b JOIN unnest(CAST(:job_ids AS text[]), CAST(:node_ranks AS int[]), CAST(:names AS text[]),
+CAST(:blocks AS int[])) AS k(job_id, node_rank, name, block)
+ON b.job_id = k.job_id AND b.node_rank = k.node_rank AND b.name = k.name AND b.block = k.block""")
+PG_UPSERT_MANY = text(f"""INSERT INTO metric_blocks ({", ".join(KEY_FIELDS + SUMMARY_FIELDS)})
+SELECT * FROM unnest(CAST(:job_id AS text[]), CAST(:node_rank AS int[]), CAST(:name AS text[]), CAST(:block AS int[]),
 {", ".join(f"CAST(:{f} AS {PG_TYPES[f]}[])" for f in SUMMARY_FIELDS)})
 ON CONFLICT ({", ".join(KEY_FIELDS)}) DO UPDATE SET {", ".join(f"{f} = excluded.{f}" for f in SUMMARY_FIELDS)}""")
 

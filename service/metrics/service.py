@@ -112,19 +112,61 @@ def copy_columns(db: Session, *, job_id: str, attempt: int, node_rank: int, step
     chunk (length, UTF-8, the value's length), its value, the time's length and its time: one format piece per
     name, joined in the points' order, packs the whole batch in one call at C speed (~0.5 µs a point; write_row ~1).
     """
-    job = job_id.encode()
-    head = struct.pack(">hi", len(COPY_COLUMNS), len(job)) + job + struct.pack(">iiiii", 4, attempt, 4, node_rank, 4)
-    chunks = [struct.pack(">i", len(raw)) + raw + struct.pack(">i", 8) for raw in (name.encode() for name in names)]
-    pieces = [f"{len(head)}si{len(chunk)}sdiq" for chunk in chunks]
-    layout = ">" + "".join(map(pieces.__getitem__, name_index))
-    data = struct.pack(layout, *chain.from_iterable(zip(repeat(head), steps, map(chunks.__getitem__, name_index),
-                                                        values, repeat(8), micros)))
+    data = _packed(job_id=job_id, attempt=attempt, node_rank=node_rank, steps=steps, names=names,
+                   name_index=name_index, values=values, micros=micros)
 
     def write(copy) -> None:
         for part in (COPY_HEADER, data, COPY_TRAILER):
             copy.write(part)
 
     _copy(db, write)
+
+
+def _packed(*, job_id: str, attempt: int, node_rank: int, steps: Sequence[int], names: Sequence[str],
+            name_index: Sequence[int], values: Sequence[float], micros: Sequence[int]) -> bytes:
+    """One node's points as the rows of a binary COPY (copy_columns), without its header and trailer."""
+    job = job_id.encode()
+    head = struct.pack(">hi", len(COPY_COLUMNS), len(job)) + job + struct.pack(">iiiii", 4, attempt, 4, node_rank, 4)
+    chunks = [struct.pack(">i", len(raw)) + raw + struct.pack(">i", 8) for raw in (name.encode() for name in names)]
+    pieces = [f"{len(head)}si{len(chunk)}sdiq" for chunk in chunks]
+    layout = ">" + "".join(map(pieces.__getitem__, name_index))
+    return struct.pack(layout, *chain.from_iterable(zip(repeat(head), steps, map(chunks.__getitem__, name_index),
+                                                        values, repeat(8), micros)))
+
+
+# One node's points by column, as insert_points takes them: (job_id, attempt, node_rank, steps, names, name_index,
+# values, times in unix seconds).
+PointBatch = tuple[str, int, int, Sequence[int], Sequence[str], Sequence[int], Sequence[float], Sequence[float]]
+
+
+def insert_points_many(db: Session, batches: list[PointBatch]) -> int:
+    """insert_points of several nodes' batches (a worker's tick), each node once, in the session's transaction: on
+    PostgreSQL one binary COPY of all their points and one read and one upsert of all their blocks
+    (blocks.record_many). The rows are those insert_points writes of each batch, in the batches' order."""
+    batches = [batch for batch in batches if len(batch[3])]
+    if not batches:
+        return 0
+    at = {t: datetime.fromtimestamp(t, UTC) for t in set(chain.from_iterable(batch[7] for batch in batches))}
+    if db.get_bind().dialect.name == "postgresql":
+        micros = {t: (moment - PG_EPOCH) // MICROSECOND for t, moment in at.items()}
+        parts = [_packed(job_id=job_id, attempt=attempt, node_rank=node_rank, steps=steps, names=names,
+                         name_index=name_index, values=values, micros=list(map(micros.__getitem__, times)))
+                 for job_id, attempt, node_rank, steps, names, name_index, values, times in batches]
+
+        def write(copy) -> None:
+            for part in (COPY_HEADER, *parts, COPY_TRAILER):
+                copy.write(part)
+
+        _copy(db, write)
+    else:
+        db.execute(insert(Metric), [
+            {"job_id": job_id, "attempt": attempt, "node_rank": node_rank, "step": step, "name": names[i],
+             "value": value, "time": at[t]}
+            for job_id, attempt, node_rank, steps, names, name_index, values, times in batches
+            for step, i, value, t in zip(steps, name_index, values, times, strict=True)])
+    blocks.record_many(db, [(job_id, node_rank, steps, names, name_index, values)
+                            for job_id, _, node_rank, steps, names, name_index, values, _ in batches])
+    return sum(len(batch[3]) for batch in batches)
 
 
 def stored(db: Session, *, job_id: str, node_rank: int = 0) -> tuple[set[str], int]:
@@ -265,7 +307,14 @@ def shipped_rows(points: Iterable[Sequence]) -> list[tuple[int, str, float, date
 
 def insert_shipped(db: Session, *, job_id: str, attempt: int, points: Iterable[Sequence], node_rank: int = 0) -> int:
     """insert_points of points as a worker ships them in rows, (step, name, value, unix time)."""
+    steps, names, name_index, values, times = shipped_columns(points)
+    return insert_points(db, job_id=job_id, attempt=attempt, node_rank=node_rank, steps=steps, names=names,
+                         name_index=name_index, values=values, times=times)
+
+
+def shipped_columns(points: Iterable[Sequence]) -> tuple[Sequence[int], list[str], list[int], Sequence[float],
+                                                            Sequence[float]]:
+    """Rows (step, name, value, unix time) as insert_points' columns: steps, names, name_index, values, times."""
     steps, names, values, times = list(zip(*points, strict=True)) or ((), (), (), ())
     index = {name: i for i, name in enumerate(dict.fromkeys(names))}
-    return insert_points(db, job_id=job_id, attempt=attempt, node_rank=node_rank, steps=steps, names=list(index),
-                         name_index=list(map(index.__getitem__, names)), values=values, times=times)
+    return steps, list(index), list(map(index.__getitem__, names)), values, times

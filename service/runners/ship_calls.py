@@ -175,6 +175,15 @@ def apply_ship(db: Session, body: ShipBody, held: lifecycle.Held) -> None:
                     text=body.log.text)
     if body.points:
         store_points(db, job_id=job_id, attempt=attempt, node_rank=node_rank, points=body.points)
+    apply_rare(db, body)
+    if body.progress is not None and moves_progress(body, held):
+        records.record_progress(db, job_id=job_id, attempt=attempt, progress=body.progress.model_dump(
+            exclude_unset=True))
+
+
+def apply_rare(db: Session, body: ShipBody) -> None:
+    """The parts a batch seldom carries: warnings, stacks, usage samples, the metric caps' note, the resume step."""
+    job_id, attempt, node_rank = body.job_id, body.attempt, body.node_rank
     for warning in body.warnings:
         records.add_warning(db, job_id=job_id, warning=warning.model_dump())
     if body.stacks is not None:
@@ -188,10 +197,14 @@ def apply_ship(db: Session, body: ShipBody, held: lifecycle.Held) -> None:
                                                         "attempt": attempt, "node_rank": node_rank})
     if body.resumed_from_step is not None:
         records.record_resume(db, job_id=job_id, attempt=attempt, node_rank=node_rank, step=body.resumed_from_step)
+
+
+def moves_progress(body: ShipBody, held: lifecycle.Held) -> bool:
+    """Whether the batch's progress is the job's."""
     # Every node's local rank 0 reports its own series; node 0's is the job's, and its progress once it has
     # reported. Another node's moves progress only when it is ahead: a user's script that reports on global
     # rank 0 alone (RANK == 0) reports from whichever node c10d gave that rank.
-    step = body.progress.step if body.progress is not None else 0
-    if body.progress is not None and (not body.gang or step > held.progress_step or (node_rank == 0 and step > 0)):
-        records.record_progress(db, job_id=job_id, attempt=attempt, progress=body.progress.model_dump(
-            exclude_unset=True))
+    if body.progress is None:
+        return False
+    step = body.progress.step
+    return not body.gang or step > held.progress_step or (body.node_rank == 0 and step > 0)

@@ -45,3 +45,27 @@ def last(db: Session, *, job_id: str, attempt: int, node_rank: int, stream: str)
     return db.scalar(select(AttemptStream.seq).where(
         AttemptStream.job_id == job_id, AttemptStream.attempt == attempt, AttemptStream.node_rank == node_rank,
         AttemptStream.stream == stream)) or 0
+
+
+Key = tuple[str, int, int, str]  # (job_id, attempt, node_rank, stream)
+
+
+def advance_many(db: Session, batches: list[tuple[str, int, int, str, int]]) -> set[Key]:
+    """advance() of several streams in one statement, each (job_id, attempt, node_rank, stream, seq) and each stream
+    once: the keys whose seq was recorded (the others were applied before).
+
+    An upsert that updates only where the stored seq is lower, RETURNING the rows it wrote (PostgreSQL; SQLite
+    >= 3.35): a conflict whose WHERE fails returns nothing. On PostgreSQL a replay racing its first send waits on the
+    row's lock, as advance's does, and then finds it done.
+    """
+    if not batches:
+        return set()
+    insert = pg_insert if db.get_bind().dialect.name == "postgresql" else sqlite_insert
+    upsert = insert(AttemptStream).values([
+        {"job_id": job_id, "attempt": attempt, "node_rank": node_rank, "stream": stream, "seq": seq}
+        for job_id, attempt, node_rank, stream, seq in batches])
+    upsert = upsert.on_conflict_do_update(
+        index_elements=["job_id", "attempt", "node_rank", "stream"], set_={"seq": upsert.excluded.seq},
+        where=AttemptStream.seq < upsert.excluded.seq)
+    return {tuple(row) for row in db.execute(upsert.returning(
+        AttemptStream.job_id, AttemptStream.attempt, AttemptStream.node_rank, AttemptStream.stream))}

@@ -9,9 +9,13 @@ cost of a request (bench/README.md "The worker protocol").
 
 In the transaction: the caller's ownership of every attempt named (one SELECT; another runner's is a 403 naming the
 item), the heartbeat, the jobs' rows locked in id order (service/jobs/renewals.py), every lease renewed in one
-UPDATE, every batch's fence read in one SELECT, then each batch applied as `ship` would apply it, idempotent by its
-sequence number. A batch the database refuses (bad data) is rolled back alone (a savepoint) and answered `refused`:
-one attempt's bad batch never keeps another's from being stored. One commit.
+UPDATE, every batch's fence read in one SELECT, then the batches written together, each as `ship` would write it
+and idempotent by its sequence number: one statement advances every batch's stream (those it does not advance were
+applied before), then one INSERT of their log chunks, one COPY of their points, one upsert of their block summaries
+and one UPDATE of the progress that moved (a tick's statements, not its batches', were most of its database CPU:
+bench/README.md). A batch the database refuses (bad data) is refused alone: when the batches written together are
+refused, that savepoint is rolled back and each batch is written again under a savepoint of its own, so only the bad
+one is answered `refused`; one attempt's bad batch never keeps another's from being stored. One commit.
 """
 
 from collections.abc import Callable, Iterator
@@ -24,11 +28,22 @@ from sqlalchemy.orm import Session
 
 from service.db import UNREACHABLE, is_refusal
 from service.errors import Forbidden, TrainjobsError
-from service.jobs import lifecycle, renewals
+from service.jobs import lifecycle, records, renewals
+from service.logs import service as logs
+from service.metrics import service as metrics
 from service.runners import credentials, protocol, streams
 from service.runners.attempt_calls import AttemptRef, LeasePublic, public_held
+from service.runners.points import PointColumns
 from service.runners.protocol import Caller, Context
-from service.runners.ship_calls import Acknowledged, EventBody, ShipBody, apply_event, apply_ship
+from service.runners.ship_calls import (
+    Acknowledged,
+    EventBody,
+    ShipBody,
+    apply_event,
+    apply_rare,
+    apply_ship,
+    moves_progress,
+)
 from service.workers import service as workers
 
 WORKER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,255}$"
@@ -115,8 +130,7 @@ def tick(db: Session, ctx: Context, body: TickBody) -> TickPublic:
     sqlite = db.get_bind().dialect.name == "sqlite"
     if sqlite:
         db.commit()  # the heartbeat and the leases, before any batch (see _alone)
-    answer.ships = [_apply(db, item, fences.get(ref), streams.SHIP, lambda item=item, ref=ref: apply_ship(
-        db, item, fences[ref]), sqlite=sqlite) for item, ref in zip(body.ships, ships, strict=True)]
+    answer.ships = _apply_ships(db, body.ships, [fences.get(ref) for ref in ships], sqlite=sqlite)
     answer.events = [_apply(db, item, fences.get(ref), streams.EVENTS, lambda item=item: apply_event(db, item),
                             sqlite=sqlite) for item, ref in zip(body.events, events, strict=True)]
     db.commit()
@@ -125,6 +139,58 @@ def tick(db: Session, ctx: Context, body: TickBody) -> TickPublic:
 
 def _refs(items: list[AttemptRef]) -> list[renewals.Ref]:
     return [(item.job_id, item.attempt, item.node_rank) for item in items]
+
+
+def _apply_ships(db: Session, items: list[ShipBody], held: list[lifecycle.Held | None], *,
+                 sqlite: bool) -> list[Batched]:
+    """The tick's batches written together (_write_together) under one savepoint; if the database refuses that,
+    each under its own (_apply), so that only the bad one is refused. Nodes that ship twice in one tick (rare) go
+    batch by batch too: one statement cannot write a stream's, or a series block's, row twice."""
+    live = [(item, fence) for item, fence in zip(items, held, strict=True) if fence is not None]
+    nodes = {(item.job_id, item.node_rank) for item, _ in live}
+    if live and len(nodes) == len(live):
+        try:
+            with _alone(db, sqlite=sqlite):
+                applied = _write_together(db, live)
+        except (TrainjobsError, IntegrityError, DataError):
+            pass  # rolled back: batch by batch below
+        except UNREACHABLE as exc:
+            if not is_refusal(exc):
+                raise  # the database away: the whole tick is Unreachable, and the worker sends it again
+        else:
+            return [Batched(applied=False, lost=True) if fence is None else
+                    Batched(applied=(item.job_id, item.attempt, item.node_rank, streams.SHIP) in applied, lost=False)
+                    for item, fence in zip(items, held, strict=True)]
+    return [_apply(db, item, fence, streams.SHIP, lambda item=item, fence=fence: apply_ship(db, item, fence),
+                   sqlite=sqlite) for item, fence in zip(items, held, strict=True)]
+
+
+def _write_together(db: Session, live: list[tuple[ShipBody, lifecycle.Held]]) -> set[streams.Key]:
+    """apply_ship of every batch not applied before, each node's once, by part: one statement advancing every
+    stream, one INSERT of the log chunks, one COPY of the points and one upsert of their blocks, one UPDATE of the
+    progress that moved; the rarer parts batch by batch. The streams advanced (the batches applied)."""
+    applied = streams.advance_many(db, [(item.job_id, item.attempt, item.node_rank, streams.SHIP, item.seq)
+                                        for item, _ in live])
+    todo = [(item, fence) for item, fence in live
+            if (item.job_id, item.attempt, item.node_rank, streams.SHIP) in applied]
+    logs.append_many(db, [{"job_id": item.job_id, "attempt": item.attempt, "node_rank": item.node_rank,
+                           "start": item.log.start, "seq": item.log.seq, "text": item.log.text}
+                          for item, _ in todo if item.log is not None])
+    metrics.insert_points_many(db, [(item.job_id, item.attempt, item.node_rank, *_columns(item.points))
+                                    for item, _ in todo if item.points])
+    for item, _ in todo:
+        apply_rare(db, item)
+    records.record_progress_many(db, [(item.job_id, item.attempt, item.progress.model_dump(exclude_unset=True))
+                                      for item, fence in todo
+                                      if item.progress is not None and moves_progress(item, fence)])
+    return applied
+
+
+def _columns(points: list | PointColumns) -> tuple:
+    """A batch's points as metrics.insert_points_many's columns (steps, names, name_index, values, times)."""
+    if isinstance(points, PointColumns):
+        return points.steps, points.names, points.name_index, points.values, points.times
+    return metrics.shipped_columns(points)
 
 
 def _apply(db: Session, item: ShipBody | EventBody, held: lifecycle.Held | None, stream: str,
