@@ -199,7 +199,8 @@ def test_a_batch_the_database_refuses_costs_neither_the_lease_nor_the_log_and_al
         raise DataError("refused", None, Exception("a value the database refuses"))
 
     with monkeypatch.context() as m:
-        m.setattr(metrics, "insert_batch", refuse)
+        for writer in ("insert_batch", "insert_points"):  # the points as rows, or as columns (the worker's)
+            m.setattr(metrics, writer, refuse)
         assert sup._ship(_NoOutput()) is Shipped.REFUSED  # log and metrics together: refused
         with sessions() as db:
             assert logs.read(db, job_id=job_id)[0] == b""
